@@ -1,0 +1,1 @@
+"""The HTTP API (FastAPI). It enqueues by task name and never imports torch or vLLM."""

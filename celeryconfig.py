@@ -1,0 +1,73 @@
+"""Celery configuration, loaded by string: ``app.config_from_object("celeryconfig")``.
+
+Values that vary per deployment come from the typed llmpipe Settings (LLMPIPE_* env).
+"""
+
+from kombu import Queue
+
+from llmpipe.settings import get_settings
+
+_s = get_settings()
+
+broker_url = _s.redis_url
+result_backend = _s.redis_url
+
+# Workers import these; the API never does (it sends tasks by name).
+imports = ("workers.signals", "tasks.preprocess", "tasks.inference", "tasks.postprocess", "tasks.collect")
+
+task_queues = (
+    Queue("preprocess"),
+    Queue("inference"),
+    Queue("postprocess"),
+    Queue("collect"),
+)
+task_routes = {
+    "llmpipe.preprocess": {"queue": "preprocess"},
+    "llmpipe.inference": {"queue": "inference"},
+    "llmpipe.postprocess": {"queue": "postprocess"},
+    "llmpipe.collect": {"queue": "collect"},
+}
+task_default_queue = "preprocess"
+
+# JSON only: a worker never unpickles what it receives.
+task_serializer = "json"
+result_serializer = "json"
+accept_content = ["json"]
+result_accept_content = ["json"]
+
+# Flower and the tests watch task events.
+worker_send_task_events = True
+task_send_sent_event = True
+task_track_started = False  # one STARTED write per task would double backend traffic
+
+# Ack after the task returns, so a crashed worker's messages are redelivered, not lost.
+task_acks_late = True
+# A worker process that dies mid-task (kill -9, OOM) requeues the message instead of failing it.
+task_reject_on_worker_lost = True
+# One reserved message per process on the CPU pools so a slow task never hoards work;
+# the inference worker raises it per worker (workers/launch.py) to fill its batches.
+worker_prefetch_multiplier = 1
+
+broker_transport_options = {
+    # An unacked message is redelivered after this many seconds: longer than any job may
+    # live (max_timeout_s) so a slow but healthy task is never run twice.
+    "visibility_timeout": int(_s.max_timeout_s + 60),
+    # Scan for unacked messages of dead workers every 10 s (kombu's default is ~100 s).
+    "unacked_restore_interval": 10,
+    "unacked_restore_throttle": 1,
+}
+# Job results live this long; the API's job records share the same TTL.
+result_expires = _s.result_ttl_s
+result_backend_transport_options = {"retry_policy": {"timeout": 5.0}}
+
+broker_connection_retry_on_startup = True
+broker_connection_timeout = 4
+# Publishing fails fast instead of blocking an API request while Redis is down.
+task_publish_retry_policy = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
+redis_socket_timeout = 5
+redis_socket_connect_timeout = 3
+redis_retry_on_timeout = True
+broker_pool_limit = 32
+
+worker_hijack_root_logger = False
+worker_cancel_long_running_tasks_on_connection_loss = False

@@ -1,0 +1,234 @@
+"""A plain transformers engine: one static batch at a time, no vLLM needed.
+
+The decode loop is our own (prefill once with left padding, then one token per step with
+the KV cache), so that every request of a batch keeps its own sampling parameters,
+``max_tokens`` and stop ids, and ``on_tokens`` is called after every step.
+
+Sampling: ``temperature == 0`` is greedy (the same argmax as vLLM, so greedy ids match
+vLLM's on the same float32 weights). Otherwise temperature + top-p (no top-k), like vLLM.
+A request with a ``seed`` draws from its own ``torch.Generator`` seeded with it, so it is
+reproducible with this engine whatever else is in the batch; the draws are NOT the same as
+vLLM's for the same seed. Unseeded requests share one generator seeded at start-up.
+
+Like vLLM: generation stops at an EOS id of the model (generation_config.json, then
+config.json) unless ``ignore_eos``, or at a ``stop_token_ids`` id; the stop token is part
+of the output. Output is capped so that prompt + output <= ``max_model_len``; a prompt
+that leaves no room (or is empty, or holds an id outside the vocabulary) is an EngineError.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
+from llmpipe.errors import EngineError
+from llmpipe.messages import FinishReason
+
+log = logging.getLogger(__name__)
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _torch_dtype(torch: Any, dtype: str) -> Any:
+    if dtype in ("auto", "", None):
+        return "auto"
+    aliases = {"half": "float16", "fp16": "float16", "bf16": "bfloat16", "float": "float32", "fp32": "float32"}
+    name = aliases.get(dtype, dtype)
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise EngineError(f"unknown dtype {dtype!r}")
+    return value
+
+
+class TransformersEngine(Engine):
+    name = "transformers"
+    continuous = False
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "float32",
+        device: str | None = None,
+        max_model_len: int | None = None,
+        max_batch_size: int = 32,
+        seed: int = 0,
+    ) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self._torch = torch
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        started = time.monotonic()
+        try:
+            self._model = AutoModelForCausalLM.from_pretrained(model, dtype=_torch_dtype(torch, dtype))
+            self._model.to(self.device).eval()
+        except EngineError:
+            raise
+        except Exception as e:
+            raise EngineError(f"transformers failed to load {model!r}: {type(e).__name__}: {e}") from e
+        cfg = self._model.config
+        gen = getattr(self._model, "generation_config", None)
+        self._eos_ids = sorted(set(_ids(getattr(gen, "eos_token_id", None)) + _ids(getattr(cfg, "eos_token_id", None))))
+        pad = getattr(gen, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(cfg, "pad_token_id", None)
+        if pad is None:
+            pad = self._eos_ids[0] if self._eos_ids else 0
+        self._pad_id = int(pad)
+        self._vocab_size = int(cfg.vocab_size)
+        own_len = getattr(cfg, "max_position_embeddings", None)
+        self._max_model_len = int(max_model_len or own_len or 2048)
+        self._max_batch_size = max(1, int(max_batch_size))
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._lock = threading.Lock()
+        self._cancelled: set[str] = set()
+        self._running: set[str] = set()
+        self.start_s = time.monotonic() - started
+        log.info("transformers engine ready in %.1fs (model=%s, device=%s)", self.start_s, model, self.device)
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self._max_model_len
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self._eos_ids)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self._cancelled.update(r for r in request_ids if r in self._running)
+
+    def stats(self) -> dict[str, float]:
+        return {"running": float(len(self._running))}
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._model = None
+            if self._torch.cuda.is_available():
+                self._torch.cuda.empty_cache()
+
+    def generate(self, batch: list[EngineRequest], on_tokens: TokenCallback | None = None) -> list[EngineOutput]:
+        if not batch:
+            return []
+        for r in batch:
+            self._validate(r)
+        with self._lock:
+            if self._model is None:
+                raise EngineError("transformers engine is shut down")
+            outputs: list[EngineOutput] = []
+            for start in range(0, len(batch), self._max_batch_size):
+                chunk = batch[start : start + self._max_batch_size]
+                self._running.update(r.request_id for r in chunk)
+                try:
+                    outputs.extend(self._run(chunk, on_tokens))
+                except EngineError:
+                    raise
+                except Exception as e:
+                    oom = "out of memory" in str(e).lower() or isinstance(e, getattr(self._torch, "OutOfMemoryError", ()))
+                    raise EngineError(f"transformers failed a batch: {type(e).__name__}: {e}", transient=oom) from e
+                finally:
+                    self._running.difference_update(r.request_id for r in chunk)
+                    self._cancelled.difference_update(r.request_id for r in chunk)
+            return outputs
+
+    def _validate(self, r: EngineRequest) -> None:
+        n = len(r.prompt_token_ids)
+        if n == 0:
+            raise EngineError(f"request {r.request_id}: the prompt is empty")
+        if n >= self._max_model_len:
+            raise EngineError(
+                f"request {r.request_id}: prompt of {n} tokens leaves no room in max_model_len {self._max_model_len}"
+            )
+        if min(r.prompt_token_ids) < 0 or max(r.prompt_token_ids) >= self._vocab_size:
+            raise EngineError(f"request {r.request_id}: a token id is out of vocabulary")
+
+    def _run(self, batch: list[EngineRequest], on_tokens: TokenCallback | None) -> list[EngineOutput]:
+        torch = self._torch
+        dev = self.device
+        b = len(batch)
+        width = max(len(r.prompt_token_ids) for r in batch)
+        input_ids = torch.full((b, width), self._pad_id, dtype=torch.long)
+        attn = torch.zeros((b, width), dtype=torch.long)
+        for i, r in enumerate(batch):
+            n = len(r.prompt_token_ids)
+            input_ids[i, width - n :] = torch.tensor(r.prompt_token_ids, dtype=torch.long)
+            attn[i, width - n :] = 1
+        input_ids, attn = input_ids.to(dev), attn.to(dev)
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+
+        limits = [min(r.params.max_tokens, self._max_model_len - len(r.prompt_token_ids)) for r in batch]
+        stops = [set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(self._eos_ids)) for r in batch]
+        gens = [
+            torch.Generator(device=dev).manual_seed(r.params.seed) if r.params.seed is not None else self._generator
+            for r in batch
+        ]
+        tokens: list[list[int]] = [[] for _ in batch]
+        reasons: list[FinishReason | None] = [None] * b
+        first_at: list[float | None] = [None] * b
+
+        with torch.inference_mode():
+            out = self._model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True, logits_to_keep=1)
+            past = out.past_key_values
+            logits = out.logits[:, -1, :]
+            for _ in range(max(limits)):
+                chosen = self._choose(logits, batch, gens, reasons)
+                now = time.time()
+                for i, r in enumerate(batch):
+                    if reasons[i] is not None:
+                        continue
+                    if r.request_id in self._cancelled:
+                        reasons[i] = FinishReason.CANCELLED
+                        continue
+                    tok = chosen[i]
+                    tokens[i].append(tok)
+                    if first_at[i] is None:
+                        first_at[i] = now
+                    if tok in stops[i]:
+                        reasons[i] = FinishReason.STOP
+                    elif len(tokens[i]) >= limits[i]:
+                        reasons[i] = FinishReason.LENGTH
+                    if on_tokens is not None:
+                        try:
+                            on_tokens(r.request_id, list(tokens[i]))
+                        except Exception:
+                            log.exception("on_tokens callback failed for %s", r.request_id)
+                if all(x is not None for x in reasons):
+                    break
+                feed = torch.tensor([t[-1] if t else self._pad_id for t in tokens], dtype=torch.long, device=dev)
+                attn = torch.cat([attn, attn.new_ones((b, 1))], dim=1)
+                positions = positions[:, -1:] + 1
+                out = self._model(
+                    input_ids=feed[:, None], attention_mask=attn, position_ids=positions, past_key_values=past, use_cache=True
+                )
+                past = out.past_key_values
+                logits = out.logits[:, -1, :]
+        return [
+            EngineOutput(r.request_id, tokens[i], reasons[i] or FinishReason.LENGTH, first_token_at=first_at[i])
+            for i, r in enumerate(batch)
+        ]
+
+    def _choose(self, logits: Any, batch: list[EngineRequest], gens: list[Any], reasons: list[Any]) -> list[int]:
+        torch = self._torch
+        logits = logits.float()
+        chosen = logits.argmax(dim=-1).tolist()
+        for i, r in enumerate(batch):
+            p = r.params
+            if reasons[i] is not None or p.temperature == 0:
+                continue
+            probs = torch.softmax(logits[i] / p.temperature, dim=-1)
+            if p.top_p < 1.0:
+                sorted_probs, idx = probs.sort(descending=True)
+                cum = sorted_probs.cumsum(-1)
+                sorted_probs[(cum - sorted_probs) > p.top_p] = 0.0  # keep the smallest set reaching top_p
+                probs = torch.zeros_like(probs).scatter_(0, idx, sorted_probs)
+            chosen[i] = int(torch.multinomial(probs, 1, generator=gens[i]).item())
+        return chosen

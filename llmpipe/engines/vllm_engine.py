@@ -1,0 +1,358 @@
+"""vLLM v1 ``AsyncLLM`` behind the Engine interface, with continuous batching.
+
+The ``AsyncLLM`` lives on an asyncio event loop in a daemon thread owned by the engine.
+``generate`` (blocking, thread-safe) schedules one coroutine per request on that loop, so
+requests from concurrent ``generate`` calls join vLLM's running batch.
+
+The engine never tokenizes: vLLM is started with ``skip_tokenizer_init=True`` and prompts
+are ``TokensPrompt(prompt_token_ids=...)``. Without a tokenizer vLLM has no "primary" EOS
+id; it still reads ``eos_token_id`` from the model's generation_config.json (falling back
+to config.json) and adds those ids to the stop token ids. We add them ourselves too, so
+generation stops at EOS whatever vLLM version does (unless ``ignore_eos``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
+from llmpipe.errors import EngineDeadError, EngineError
+from llmpipe.messages import FinishReason, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_GiB = 1 << 30
+_TRANSIENT_MARKERS = ("out of memory", "outofmemory", "queueoverflow", "maxqueuedtokens", "no available memory")
+
+
+def _on_cpu() -> bool:
+    """True when vLLM will run on CPU (decided before vLLM is imported)."""
+    try:
+        import torch
+
+        return not torch.cuda.is_available()
+    except Exception:  # pragma: no cover - torch always present with vLLM
+        return True
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def _is_transient(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = f"{type(e).__name__} {e}".lower()
+        if any(marker in text for marker in _TRANSIENT_MARKERS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+class _StatsSink:
+    """A vLLM per-engine stat logger that keeps the latest scheduler stats."""
+
+    def __init__(self) -> None:
+        self.latest: Any = None
+
+    def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        sink = self
+
+        class _Logger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+                if scheduler_stats is not None:
+                    sink.latest = scheduler_stats
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Logger(vllm_config, engine_index)
+
+
+class VllmEngine(Engine):
+    name = "vllm"
+    continuous = True
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        enforce_eager: bool = True,
+        kv_cache_gib: float = 1.0,
+        gpu_memory_utilization: float = 0.85,
+        max_num_seqs: int = 32,
+        seed: int = 0,
+        start_timeout_s: float = 900.0,
+    ) -> None:
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+        self._on_cpu = _on_cpu()
+        kv_bytes: int | None = None
+        if self._on_cpu:
+            # vLLM's CPU platform reads VLLM_CPU_KVCACHE_SPACE (whole GiB) and lets it win
+            # over kv_cache_memory_bytes; a fractional size goes through the engine arg.
+            kv_bytes = max(1, int(kv_cache_gib * _GiB))
+            if float(kv_cache_gib).is_integer() and kv_cache_gib >= 1:
+                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
+
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        self._model = model
+        self._args = AsyncEngineArgs(
+            model=model,
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_bytes,
+            max_num_seqs=max_num_seqs,
+            seed=seed,
+            disable_log_stats=True,  # our own stat logger below still gets the stats
+        )
+        self._stats = _StatsSink()
+        self._lock = threading.Lock()
+        self._inflight: Counter[str] = Counter()
+        self._cancelled: set[str] = set()
+        self._futures: set[concurrent.futures.Future] = set()
+        self._closed = False
+        self._llm: Any = None
+        self._max_model_len: int | None = None
+        self._eos_ids: list[int] = []
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run_loop, name="vllm-engine-loop", daemon=True)
+        self._thread.start()
+        started = time.monotonic()
+        try:
+            asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=start_timeout_s)
+        except BaseException as e:
+            self._stop_loop()
+            raise EngineError(f"vLLM failed to start for {model!r}: {type(e).__name__}: {e}") from e
+        self.start_s = time.monotonic() - started
+        log.info("vLLM engine ready in %.1fs (model=%s, eos=%s)", self.start_s, model, self._eos_ids)
+
+    # -- loop thread ---------------------------------------------------------------
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    async def _start(self) -> None:
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        # Created on the loop so that AsyncLLM's output handler runs on it.
+        self._llm = AsyncLLM.from_engine_args(self._args, stat_loggers=[self._stats.factory])
+        mc = self._llm.model_config
+        self._max_model_len = int(mc.max_model_len)
+        eos: list[int] = []
+        try:
+            eos += _as_id_list(mc.try_get_generation_config().get("eos_token_id"))
+        except Exception:  # pragma: no cover - defensive
+            log.warning("could not read the generation config of %s", self._model, exc_info=True)
+        eos += _as_id_list(getattr(mc.hf_text_config, "eos_token_id", None))
+        self._eos_ids = sorted(set(eos))
+        if not self._eos_ids:
+            log.warning("model %s declares no eos_token_id; generation stops at max_tokens or stop ids", self._model)
+
+    def _stop_loop(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        if not self._loop.is_running() and not self._thread.is_alive():
+            self._loop.close()
+
+    # -- properties ------------------------------------------------------------------
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self._max_model_len
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self._eos_ids)
+
+    # -- generation ------------------------------------------------------------------
+
+    def _sampling_params(self, p: SamplingParams) -> Any:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        stop = list(dict.fromkeys(list(p.stop_token_ids) + ([] if p.ignore_eos else self._eos_ids)))
+        return VSamplingParams(
+            max_tokens=p.max_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            seed=p.seed,
+            stop_token_ids=stop,
+            ignore_eos=p.ignore_eos,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def _run_one(self, req: EngineRequest, on_tokens: TokenCallback | None) -> EngineOutput:
+        from vllm.inputs import TokensPrompt
+
+        rid = req.request_id
+        if rid in self._cancelled:
+            return EngineOutput(rid, [], FinishReason.CANCELLED)
+        tokens: list[int] = []
+        first_at: float | None = None
+        finish: str | None = None
+        stop_reason: Any = None
+        abort_sent = False
+        callback_ok = on_tokens is not None
+        gen = self._llm.generate(TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)), self._sampling_params(req.params), rid)
+        async for out in gen:
+            comp = out.outputs[0]
+            if comp.token_ids:
+                if first_at is None:
+                    first_at = time.time()
+                tokens.extend(comp.token_ids)
+                if callback_ok:
+                    try:
+                        on_tokens(rid, list(tokens))
+                    except Exception:
+                        callback_ok = False
+                        log.exception("on_tokens callback failed for %s; no more callbacks for it", rid)
+            if comp.finish_reason is not None:
+                finish = str(comp.finish_reason)
+                stop_reason = comp.stop_reason
+            if out.finished:
+                break
+            if rid in self._cancelled and not abort_sent:
+                # abort() raced with the request being added; abort it now that it exists.
+                abort_sent = True
+                await self._llm.abort(rid)
+        if finish == "error":
+            raise EngineError(f"vLLM reported a request-level error for {rid}", transient=True)
+        reason = {
+            "stop": FinishReason.STOP,
+            "length": FinishReason.LENGTH,
+            "abort": FinishReason.CANCELLED,
+            "repetition": FinishReason.STOP,
+        }.get(finish or "", FinishReason.CANCELLED if rid in self._cancelled else FinishReason.LENGTH)
+        extra: dict[str, Any] = {}
+        if stop_reason is not None:
+            extra["stop_reason"] = stop_reason
+        return EngineOutput(rid, tokens, reason, first_token_at=first_at, extra=extra)
+
+    def _translate(self, exc: BaseException) -> EngineError:
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
+
+        if isinstance(exc, EngineError):
+            return exc
+        if isinstance(exc, VllmEngineDeadError) or (self._llm is not None and self._llm.errored):
+            return EngineDeadError(f"vLLM engine core is dead: {exc}")
+        if isinstance(exc, (concurrent.futures.CancelledError, asyncio.CancelledError)):
+            return EngineDeadError("vLLM engine is shut down")
+        cause = exc.__cause__ or exc
+        return EngineError(f"vLLM failed a request: {type(cause).__name__}: {cause}", transient=_is_transient(exc))
+
+    def generate(self, batch: list[EngineRequest], on_tokens: TokenCallback | None = None) -> list[EngineOutput]:
+        if not batch:
+            return []
+        with self._lock:
+            if self._closed:
+                raise EngineDeadError("vLLM engine is shut down")
+            if self._llm is None or self._llm.errored:
+                raise EngineDeadError("vLLM engine core is dead")
+            futures = [asyncio.run_coroutine_threadsafe(self._run_one(r, on_tokens), self._loop) for r in batch]
+            self._futures.update(futures)
+            for r in batch:
+                self._inflight[r.request_id] += 1
+        try:
+            try:
+                concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+            except BaseException:
+                # Interrupted (time limit, KeyboardInterrupt): stop the whole batch.
+                self._abort_pending(batch, futures)
+                raise
+            failed = next((f for f in futures if f.done() and not f.cancelled() and f.exception() is not None), None)
+            if failed is None and not any(f.cancelled() for f in futures):
+                return [f.result() for f in futures]
+            # One request failed (or the engine shut down): stop the rest, fail the batch.
+            self._abort_pending(batch, futures)
+            exc = failed.exception() if failed is not None else concurrent.futures.CancelledError()
+            raise self._translate(exc) from exc
+        finally:
+            with self._lock:
+                self._futures.difference_update(futures)
+                for r in batch:
+                    self._inflight[r.request_id] -= 1
+                    if self._inflight[r.request_id] <= 0:
+                        del self._inflight[r.request_id]
+                        self._cancelled.discard(r.request_id)
+
+    def _abort_pending(self, batch: list[EngineRequest], futures: list[concurrent.futures.Future]) -> None:
+        pending = [r.request_id for r, f in zip(batch, futures, strict=True) if not f.done()]
+        for f in futures:
+            f.cancel()  # cancels the task on the loop; vLLM's generate() aborts the request
+        if pending:
+            self.abort(pending)
+
+    def abort(self, request_ids: list[str]) -> None:
+        with self._lock:
+            ids = [r for r in request_ids if r in self._inflight]
+            self._cancelled.update(ids)
+            if not ids or self._closed or not self._loop.is_running():
+                return
+        asyncio.run_coroutine_threadsafe(self._abort(ids), self._loop)
+
+    async def _abort(self, ids: list[str]) -> None:
+        try:
+            await self._llm.abort(ids)
+        except Exception:
+            log.warning("vLLM abort of %s failed", ids, exc_info=True)
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            inflight = float(sum(self._inflight.values()))
+        s = self._stats.latest
+        if s is None:
+            return {"running": inflight, "waiting": 0.0, "inflight": inflight}
+        return {
+            "running": float(s.num_running_reqs),
+            "waiting": float(s.num_waiting_reqs),
+            "kv_cache_usage": float(s.kv_cache_usage),
+            "inflight": inflight,
+        }
+
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            futures = list(self._futures)
+        for f in futures:
+            f.cancel()
+        if self._loop.is_running() and self._llm is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self._ashutdown(), self._loop).result(timeout=60)
+            except Exception:
+                log.warning("vLLM shutdown failed", exc_info=True)
+        self._stop_loop()
+
+    async def _ashutdown(self) -> None:
+        await asyncio.sleep(0)  # let cancelled request tasks run their abort first
+        llm, self._llm = self._llm, None
+        llm.shutdown()

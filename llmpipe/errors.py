@@ -1,0 +1,76 @@
+"""Typed errors. Each carries its ErrorReason; the HTTP edge maps them once (api/errors.py)."""
+
+from __future__ import annotations
+
+from llmpipe.messages import ErrorReason, Stage, StageError
+
+
+class LlmpipeError(Exception):
+    reason: ErrorReason = ErrorReason.INTERNAL
+
+    def __init__(self, message: str, *, reason: ErrorReason | None = None, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if reason is not None:
+            self.reason = reason
+
+    def to_stage_error(self, stage: Stage | None = None) -> StageError:
+        return StageError(reason=self.reason, message=self.message, stage=stage)
+
+
+class BadRequestError(LlmpipeError):
+    """The client's fault: invalid input or a limit exceeded."""
+
+    reason = ErrorReason.INVALID_REQUEST
+
+
+class ContextLengthError(BadRequestError):
+    reason = ErrorReason.CONTEXT_LENGTH_EXCEEDED
+
+
+class LimitExceededError(BadRequestError):
+    reason = ErrorReason.LIMIT_EXCEEDED
+
+
+class NotFoundError(LlmpipeError):
+    reason = ErrorReason.NOT_FOUND
+
+
+class OverloadedError(LlmpipeError):
+    """A stage is backed up; retry later."""
+
+    reason = ErrorReason.OVERLOADED
+
+    def __init__(self, message: str, *, stage: str, retry_after_s: float):
+        super().__init__(message)
+        self.stage = stage
+        self.retry_after_s = retry_after_s
+
+
+class UnavailableError(LlmpipeError):
+    """A dependency (Redis) is down."""
+
+    reason = ErrorReason.UNAVAILABLE
+
+
+class EngineError(LlmpipeError):
+    """The engine failed on a batch or a request."""
+
+    reason = ErrorReason.ENGINE_ERROR
+
+    def __init__(self, message: str, *, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
+
+
+class EngineDeadError(EngineError):
+    """The engine process is gone; the worker must exit so its requests are redelivered."""
+
+
+class ExpiredError(LlmpipeError):
+    reason = ErrorReason.EXPIRED
+
+
+class CancelledError(LlmpipeError):
+    reason = ErrorReason.CANCELLED

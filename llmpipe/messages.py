@@ -1,0 +1,188 @@
+"""Every message that crosses a stage boundary, in one module.
+
+The chain for one prompt is::
+
+    PromptRequest --preprocess--> TokenizedRequest --inference--> Generation
+                  --postprocess--> PromptResult   (collected into a JobResult)
+
+Messages travel as JSON (``model_dump(mode="json")``) so that Flower shows them and no
+worker ever unpickles. A request that fails in a stage keeps flowing down the chain with
+``error`` set, so one bad prompt never sinks the other prompts of its job.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class FinishReason(StrEnum):
+    """Why a prompt's generation ended. Part of the public API."""
+
+    STOP = "stop"  # an EOS or stop token
+    LENGTH = "length"  # max_tokens reached
+    ERROR = "error"  # see the result's ``error``
+    CANCELLED = "cancelled"
+    EXPIRED = "expired"
+
+
+class ErrorReason(StrEnum):
+    """Why a request or job failed. Part of the public API (``error.type``)."""
+
+    INVALID_REQUEST = "invalid_request"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    LIMIT_EXCEEDED = "limit_exceeded"
+    ENGINE_ERROR = "engine_error"
+    OVERLOADED = "overloaded"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+    UNAVAILABLE = "unavailable"
+    NOT_FOUND = "not_found"
+    UNAUTHORIZED = "unauthorized"
+    FORBIDDEN = "forbidden"
+    INTERNAL = "internal_error"
+
+
+class JobStatus(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (JobStatus.QUEUED, JobStatus.RUNNING)
+
+
+class Stage(StrEnum):
+    PREPROCESS = "preprocess"
+    INFERENCE = "inference"
+    POSTPROCESS = "postprocess"
+
+
+class _Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StageError(_Msg):
+    reason: ErrorReason
+    message: str
+    stage: Stage | None = None
+
+
+class SamplingParams(_Msg):
+    max_tokens: int = Field(default=64, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    ignore_eos: bool = False
+
+
+class ChatMessage(_Msg):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class StageTiming(_Msg):
+    """Wall-clock stamps (epoch seconds) so that they compare across processes."""
+
+    stage: Stage
+    enqueued_at: float
+    started_at: float
+    finished_at: float
+
+    @property
+    def queue_wait_s(self) -> float:
+        return max(0.0, self.started_at - self.enqueued_at)
+
+    @property
+    def run_s(self) -> float:
+        return max(0.0, self.finished_at - self.started_at)
+
+
+class _Envelope(_Msg):
+    """Fields every per-prompt message carries down the chain."""
+
+    job_id: str
+    index: int = Field(ge=0)
+    deadline: float  # epoch seconds; every stage checks it before working
+    enqueued_at: float  # when this message was sent to its current stage
+    timings: list[StageTiming] = Field(default_factory=list)
+    error: StageError | None = None
+
+    @property
+    def request_id(self) -> str:
+        return f"{self.job_id}-{self.index}"
+
+
+class PromptRequest(_Envelope):
+    """API -> preprocess: one prompt of a job, before tokenization."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    params: SamplingParams
+
+    @model_validator(mode="after")
+    def _one_input(self) -> PromptRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("exactly one of prompt or messages is required")
+        return self
+
+
+class TokenizedRequest(_Envelope):
+    """preprocess -> inference: token ids in, so the engine never tokenizes."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class Generation(_Envelope):
+    """inference -> postprocess: token ids out."""
+
+    prompt_tokens: int
+    output_token_ids: list[int] = Field(default_factory=list)
+    finish_reason: FinishReason = FinishReason.ERROR
+    batch_size: int = 0
+    engine_time_s: float = 0.0
+    first_token_at: float | None = None
+
+
+class StageTimingSummary(_Msg):
+    queue_wait_s: float
+    run_s: float
+
+
+class PromptResult(_Msg):
+    """postprocess -> collect: the finished output of one prompt."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: FinishReason
+    timings: dict[Stage, StageTimingSummary] = Field(default_factory=dict)
+    batch_size: int = 0
+    engine_time_s: float = 0.0
+    error: StageError | None = None
+
+
+class Usage(_Msg):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class JobResult(_Msg):
+    """The chord callback's value: every prompt of the job, in order."""
+
+    job_id: str
+    status: JobStatus
+    results: list[PromptResult]
+    usage: Usage
+    error: StageError | None = None

@@ -1,0 +1,1 @@
+"""Stage logic as plain classes, tested without Celery. tasks/ wraps them thinly."""

@@ -1,0 +1,109 @@
+"""The one typed settings object for llmpipe.
+
+Precedence: explicit overrides (CLI flags) > environment (``LLMPIPE_*``) > an optional
+config file named by ``LLMPIPE_CONFIG`` (TOML or JSON) > defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from enum import StrEnum
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+
+class EngineKind(StrEnum):
+    VLLM = "vllm"
+    TRANSFORMERS = "transformers"
+    # Benchmark-only engines; never a default.
+    NOOP = "noop"
+    SIMULATED = "simulated"
+
+
+def _state_dir_default() -> Path:
+    return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "llmpipe"
+
+
+class _ConfigFileSource(PydanticBaseSettingsSource):
+    """Reads the file named by LLMPIPE_CONFIG; lowest priority above defaults."""
+
+    def get_field_value(self, field, field_name):  # pragma: no cover - unused by pydantic here
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        path = os.environ.get("LLMPIPE_CONFIG")
+        if not path:
+            return {}
+        p = Path(path)
+        text = p.read_text()
+        data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+        return data.get("llmpipe", data)
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LLMPIPE_", extra="ignore")
+
+    # Infrastructure
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    state_dir: Path = Field(default_factory=_state_dir_default)
+
+    # Model and engine
+    model: str = "smollm2"  # "smollm2", "tiny", a local folder, or a hub id
+    engine: EngineKind = EngineKind.VLLM
+    dtype: str = "float32"
+    max_model_len: int | None = None  # None: the model's own context length
+    kv_cache_gib: float = 1.0  # vLLM CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)
+    enforce_eager: bool = True
+    gpu_memory_utilization: float = 0.85
+
+    # Dynamic batching on the inference worker
+    batch_window_ms: float = 50.0
+    max_batch_size: int = 32
+
+    # Limits on a request
+    max_prompts_per_job: int = 64
+    max_tokens_limit: int = 4096
+    max_n: int = 8
+    max_prompt_chars: int = 200_000
+    max_body_bytes: int = 1_000_000
+    default_max_tokens: int = 64
+
+    # Deadlines and retention
+    default_timeout_s: float = 120.0
+    max_timeout_s: float = 600.0
+    result_ttl_s: int = 24 * 3600
+
+    # Admission control (0 disables a limit)
+    max_queue_depth: int = 1000
+    max_queued_prompt_tokens: int = 2_000_000
+
+    # Pools
+    cpu_workers: int = 2
+    api_port: int = 8000
+    flower_port: int = 5555
+    flower_user: str = "admin"
+    flower_password: str = ""
+    api_keys: str = ""  # comma-separated bearer keys; empty disables auth
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):
+        return (init_settings, env_settings, _ConfigFileSource(settings_cls), file_secret_settings)
+
+    @property
+    def models_dir(self) -> Path:
+        return self.state_dir / "models"
+
+    @property
+    def api_key_set(self) -> frozenset[str]:
+        return frozenset(k.strip() for k in self.api_keys.split(",") if k.strip())
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,125 @@
+"""What a worker process owns, loaded lazily once per process, with a shutdown path.
+
+Celery's worker_shutdown / worker_process_shutdown signals call ``shutdown_all``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from functools import cached_property
+
+import redis
+
+from llmpipe.jobs import JobStore
+from llmpipe.settings import Settings, get_settings
+
+log = logging.getLogger("llmpipe.worker")
+
+
+class WorkerContext:
+    def __init__(self, settings: Settings | None = None):
+        self.settings = settings or get_settings()
+        self._lock = threading.Lock()
+        self._inference = None
+
+    @cached_property
+    def model_path(self) -> str:
+        from llmpipe.models.registry import resolve_model
+
+        return resolve_model(self.settings.model, self.settings.models_dir)
+
+    @cached_property
+    def redis(self) -> redis.Redis:
+        return redis.Redis.from_url(self.settings.redis_url, socket_timeout=5, socket_connect_timeout=3,
+                                    health_check_interval=30)
+
+    @cached_property
+    def jobs(self) -> JobStore:
+        return JobStore(self.redis, self.settings.result_ttl_s)
+
+    @cached_property
+    def tokenizer_owner(self):
+        from llmpipe.processors.tokenizer import TokenizerOwner
+
+        return TokenizerOwner(self.model_path)
+
+    @cached_property
+    def context_len(self) -> int:
+        from llmpipe.processors.tokenizer import model_context_length
+
+        n = model_context_length(self.model_path) or 2048
+        return min(n, self.settings.max_model_len) if self.settings.max_model_len else n
+
+    @cached_property
+    def input_processor(self):
+        from llmpipe.processors.input_processor import InputProcessor
+
+        return InputProcessor(self.tokenizer_owner.get(), self.context_len)
+
+    @cached_property
+    def output_processor(self):
+        from llmpipe.processors.output_processor import OutputProcessor
+
+        return OutputProcessor(self.tokenizer_owner.get())
+
+    @cached_property
+    def engine_owner(self):
+        from llmpipe.engines.factory import create_engine
+        from llmpipe.engines.owner import EngineOwner
+
+        return EngineOwner(lambda: create_engine(self.settings, self.model_path))
+
+    def inference(self):
+        """The process's InferenceProcessor (engine + batcher), built on first use."""
+        if self._inference is None:
+            with self._lock:
+                if self._inference is None:
+                    from llmpipe.processors.inference_processor import InferenceProcessor
+
+                    engine = self.engine_owner.get()
+                    queue_probe = _queue_probe(self.redis, "inference")
+                    s = self.settings
+                    self._inference = InferenceProcessor(
+                        engine, window_s=s.batch_window_ms / 1000.0, max_size=s.max_batch_size,
+                        company_expected=queue_probe,
+                    )
+        return self._inference
+
+    def shutdown_all(self) -> None:
+        if self._inference is not None:
+            self._inference.shutdown()
+            self._inference = None
+        if "engine_owner" in self.__dict__:
+            self.engine_owner.shutdown()
+        if "tokenizer_owner" in self.__dict__:
+            self.tokenizer_owner.shutdown()
+
+
+def _queue_probe(r: redis.Redis, queue: str):
+    """Company is expected while more requests wait in the broker queue."""
+
+    def probe() -> bool:
+        return r.llen(queue) > 0
+
+    return probe
+
+
+_context: WorkerContext | None = None
+_context_lock = threading.Lock()
+
+
+def context() -> WorkerContext:
+    global _context
+    if _context is None:
+        with _context_lock:
+            if _context is None:
+                _context = WorkerContext()
+    return _context
+
+
+def reset_context() -> None:
+    global _context
+    if _context is not None:
+        _context.shutdown_all()
+    _context = None

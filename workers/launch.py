@@ -1,0 +1,54 @@
+"""The command line of each worker kind: queue, pool, concurrency and prefetch."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from dataclasses import dataclass
+
+from llmpipe.settings import Settings
+
+
+@dataclass(frozen=True)
+class WorkerKind:
+    name: str
+    queues: tuple[str, ...]
+    pool: str
+    prefetch: int
+
+    def concurrency(self, s: Settings) -> int:
+        if self.name == "inference":
+            # One thread per request in flight: a full batch running plus a full batch forming.
+            return max(4, 2 * s.max_batch_size)
+        if self.name == "collect":
+            return 1
+        return max(1, s.cpu_workers)
+
+
+KINDS: dict[str, WorkerKind] = {
+    # CPU pools: prefork, one reserved message per process so no process hoards work.
+    "preprocess": WorkerKind("preprocess", ("preprocess",), "prefork", 1),
+    # The chord callback is light; postprocess workers also serve it unless a collect
+    # worker is run on its own.
+    "postprocess": WorkerKind("postprocess", ("postprocess", "collect"), "prefork", 1),
+    "collect": WorkerKind("collect", ("collect",), "solo", 1),
+    # The engine lives in one process: AsyncLLM spawns a child, so never a daemonic
+    # prefork child. Threads hand requests to the in-process batcher.
+    "inference": WorkerKind("inference", ("inference",), "threads", 1),
+}
+
+
+def worker_argv(kind: str, s: Settings, *, concurrency: int | None = None, name: str | None = None,
+                loglevel: str = "INFO") -> list[str]:
+    k = KINDS[kind]
+    n = concurrency or k.concurrency(s)
+    return [
+        sys.executable, "-m", "celery", "-A", "tasks", "worker",
+        "-Q", ",".join(k.queues),
+        "-P", k.pool,
+        "-c", str(n),
+        "-n", name or f"{kind}@{socket.gethostname()}",
+        "--prefetch-multiplier", str(k.prefetch),
+        "-E",
+        "-l", loglevel,
+    ]
