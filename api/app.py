@@ -10,21 +10,18 @@ from fastapi.responses import JSONResponse
 
 from api import errors
 from api.jobs import JobService
+from api.result_backend import polling_backend_url
 from api.schemas import ErrorResponse, JobCreate, JobCreated, JobView
 from llmpipe.jobs import JobStore
 from llmpipe.settings import Settings, get_settings
-
-
-def _no_subscribe(producer, task_id):
-    """The API polls results and never joins them, so it must not subscribe to their
-    pub/sub channels (Celery's Redis backend subscribes per sent task by default)."""
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     from llmpipe.celery_app import app as celery
 
-    celery.backend.on_task_call = _no_subscribe
+    # The settings object passed in wins over the one celeryconfig read at import.
+    celery.conf.update(broker_url=settings.redis_url, result_backend=polling_backend_url(settings.redis_url))
     r = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=2, health_check_interval=30)
     service = JobService(celery, JobStore(r, settings.result_ttl_s), settings)
 

@@ -14,16 +14,6 @@ def _overrides(**kw) -> dict:
     return {k: v for k, v in kw.items() if v is not None}
 
 
-def settings_env(s: Settings) -> dict[str, str]:
-    """The effective settings as LLMPIPE_* variables, so every child sees the same ones."""
-    env = {}
-    for name, value in s.model_dump(mode="json").items():
-        if value is None:
-            continue
-        env[f"LLMPIPE_{name.upper()}"] = value if isinstance(value, str) else str(value).lower() if isinstance(value, bool) else str(value)
-    return env
-
-
 @click.group()
 def main() -> None:
     """llmpipe: LLM serving on a Celery pipeline."""
@@ -82,7 +72,7 @@ def api(host, port, workers):
 @click.option("--address", default="127.0.0.1")
 def flower(port, address):
     """Run Flower with basic auth (LLMPIPE_FLOWER_USER / LLMPIPE_FLOWER_PASSWORD)."""
-    from llmpipe.up import flower_argv
+    from llmpipe.local import flower_argv
 
     argv = flower_argv(Settings(), port=port, address=address)
     os.execv(argv[0], argv)

@@ -224,6 +224,26 @@ def test_every_worker_waits_for_healthy_redis_and_the_model(services):
         assert dep.get("model-init", {}).get("condition") == "service_completed_successfully", name
 
 
+def _option(cmd: list[str], name: str) -> str | None:
+    for i, arg in enumerate(cmd):
+        if arg == name and i + 1 < len(cmd):
+            return cmd[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def test_published_servers_listen_on_all_interfaces(services):
+    # `llmpipe api` and `llmpipe flower` bind 127.0.0.1 by default: unreachable
+    # through a published port unless told otherwise.
+    assert _option(_command(services["api"]), "--host") == "0.0.0.0"
+    assert _option(_command(services["flower"]), "--address") == "0.0.0.0"
+    assert _option(_command(services["api"]), "--port") == "8000"
+    assert _option(_command(services["flower"]), "--port") == "5555"
+    assert any(str(p).endswith(":8000") for p in services["api"]["ports"])
+    assert any(str(p).endswith(":5555") for p in services["flower"]["ports"])
+
+
 def test_api_is_published_healthchecked_and_health_gated(services):
     api = services["api"]
     assert _command(api)[:1] == ["api"]

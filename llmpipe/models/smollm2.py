@@ -93,36 +93,31 @@ def _convert(gguf: Path, tmp: Path, steps: _Steps) -> None:
         ) from e
 
     try:
-        _convert_with(gguf, tmp, steps, torch, AutoModelForCausalLM, AutoTokenizer)
-    except ModelPreparationError:
-        raise
+        with quiet_transformers():
+            with steps.step("reading the tokenizer"):
+                tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+                if not tokenizer.chat_template:
+                    tokenizer.chat_template = CHAT_TEMPLATE
+            with steps.step(f"de-quantising {gguf.name} to {DTYPE}"):
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, DTYPE)
+                )
+                # Plain float weights from here on: no GGUF quantiser, no quantization_config.
+                model.hf_quantizer = None
+                if hasattr(model.config, "quantization_config"):
+                    del model.config.quantization_config
+                model.config.architectures = ["LlamaForCausalLM"]
+                model.config.dtype = getattr(torch, DTYPE)
+                tokenizer.model_max_length = model.config.max_position_embeddings
+            with steps.step("saving safetensors and tokenizer"):
+                model.save_pretrained(tmp, safe_serialization=True)
+                tokenizer.save_pretrained(tmp)
     except Exception as e:
         detail = (str(e).strip().splitlines() or [""])[0][:200]
         raise ModelPreparationError(
             f"could not convert {gguf.name}: {type(e).__name__}: {detail}"
         ) from e
     portable_files(tmp, DTYPE)
-
-
-def _convert_with(gguf: Path, tmp: Path, steps: _Steps, torch, auto_model, auto_tokenizer) -> None:
-    with quiet_transformers():
-        with steps.step("reading the tokenizer"):
-            tokenizer = auto_tokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-            if not tokenizer.chat_template:
-                tokenizer.chat_template = CHAT_TEMPLATE
-        with steps.step(f"de-quantising {gguf.name} to {DTYPE}"):
-            model = auto_model.from_pretrained(
-                str(gguf.parent), gguf_file=gguf.name, dtype=getattr(torch, DTYPE)
-            )
-            model.hf_quantizer = None
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
-            model.config.architectures = ["LlamaForCausalLM"]
-            model.config.dtype = getattr(torch, DTYPE)
-            tokenizer.model_max_length = model.config.max_position_embeddings
-        with steps.step("saving safetensors and tokenizer"):
-            model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
 
 
 def prepare_smollm2(dest: Path, progress: bool = True) -> Path:

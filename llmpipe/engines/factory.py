@@ -1,0 +1,49 @@
+"""Build the engine that ``Settings.engine`` names. Heavy imports happen only here, lazily."""
+
+from __future__ import annotations
+
+from llmpipe.engines.base import Engine
+from llmpipe.settings import EngineKind, Settings
+
+
+def _model_path(settings: Settings, model_path: str | None) -> str:
+    if model_path is not None:
+        return model_path
+    from llmpipe.models.registry import resolve_model
+
+    return resolve_model(settings.model, settings.models_dir)
+
+
+def create_engine(settings: Settings, model_path: str | None = None) -> Engine:
+    """A new engine for ``settings``; the model is resolved (built, converted) when needed."""
+    kind = EngineKind(settings.engine)
+    if kind is EngineKind.VLLM:
+        from llmpipe.engines.vllm_engine import VllmEngine
+
+        return VllmEngine(
+            _model_path(settings, model_path),
+            dtype=settings.dtype,
+            max_model_len=settings.max_model_len,
+            enforce_eager=settings.enforce_eager,
+            kv_cache_gib=settings.kv_cache_gib,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            max_num_seqs=settings.max_batch_size,
+        )
+    if kind is EngineKind.TRANSFORMERS:
+        from llmpipe.engines.hf_engine import TransformersEngine
+
+        return TransformersEngine(
+            _model_path(settings, model_path),
+            dtype=settings.dtype,
+            max_model_len=settings.max_model_len,
+            max_batch_size=settings.max_batch_size,
+        )
+    if kind is EngineKind.NOOP:
+        from llmpipe.engines.noop import NoopEngine
+
+        return NoopEngine(max_model_len=settings.max_model_len)
+    if kind is EngineKind.SIMULATED:
+        from llmpipe.engines.simulated import SimulatedGpuCost, SimulatedGpuEngine
+
+        return SimulatedGpuEngine(SimulatedGpuCost(max_batch_size=settings.max_batch_size), max_model_len=settings.max_model_len)
+    raise ValueError(f"unknown engine {settings.engine!r}")  # pragma: no cover - EngineKind is closed

@@ -1,0 +1,98 @@
+"""The job API against a real Redis, with no workers: what it enqueues and reports."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from fastapi.testclient import TestClient
+
+from llmpipe.settings import Settings
+
+
+@pytest.fixture
+def client(redis_client, redis_url, tmp_path):
+    from api.app import create_app
+
+    s = Settings(redis_url=redis_url, state_dir=tmp_path, max_prompts_per_job=4, max_tokens_limit=100)
+    with TestClient(create_app(s)) as c:
+        yield c
+
+
+def _queued_messages(r, queue="preprocess"):
+    return [json.loads(m) for m in r.lrange(queue, 0, -1)]
+
+
+def test_post_enqueues_one_chain_per_prompt_by_task_name(client, redis_client):
+    r = client.post("/v1/jobs", json={"prompts": ["a", "b", "c"], "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 202
+    job_id = r.json()["id"]
+    assert r.json()["status_url"] == f"/v1/jobs/{job_id}"
+    msgs = _queued_messages(redis_client)
+    assert len(msgs) == 3
+    assert {m["headers"]["task"] for m in msgs} == {"llmpipe.preprocess"}
+    assert all(m["content-type"] == "application/json" for m in msgs)
+    view = client.get(f"/v1/jobs/{job_id}").json()
+    assert view["status"] == "queued" and view["prompts"] == 3 and view["result"] is None
+
+
+def test_api_keeps_no_pubsub_subscriptions(client, redis_client):
+    for _ in range(20):
+        assert client.post("/v1/jobs", json={"prompt": "x"}).status_code == 202
+    assert redis_client.pubsub_channels() == []
+
+
+def test_unknown_id_404_with_error_schema(client):
+    r = client.get("/v1/jobs/does-not-exist")
+    assert r.status_code == 404
+    assert r.json() == {"error": {"type": "not_found", "message": "no job with id 'does-not-exist' (unknown or expired)", "param": "id"}}
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "bogus": 1}, "bogus"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"prompt": ""}, "prompt"),
+    ],
+)
+def test_invalid_body_is_422_naming_the_field(client, body, param):
+    r = client.post("/v1/jobs", json=body)
+    assert r.status_code == 422
+    assert r.json()["error"]["type"] == "invalid_request"
+    assert r.json()["error"]["param"] == param
+
+
+def test_limits_are_400_and_name_the_limit(client):
+    r = client.post("/v1/jobs", json={"prompts": ["a"] * 5})
+    assert r.status_code == 400 and "max_prompts_per_job" in r.json()["error"]["message"]
+    r = client.post("/v1/jobs", json={"prompt": "a", "max_tokens": 101})
+    assert r.status_code == 400 and "max_tokens_limit" in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "limit_exceeded"
+
+
+def test_redis_outage_is_503(tmp_path):
+    from api.app import create_app
+    from llmpipe.redis_server import free_port
+
+    s = Settings(redis_url=f"redis://127.0.0.1:{free_port()}/0", state_dir=tmp_path)
+    with TestClient(create_app(s)) as c:
+        r = c.get("/v1/jobs/abc")
+        assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable"
+        r = c.post("/v1/jobs", json={"prompt": "x"})
+        assert r.status_code == 503
+        assert c.get("/healthz").status_code == 503
+
+
+def test_api_imports_neither_torch_nor_vllm(redis_url):
+    code = (
+        "import sys; from api.app import create_app; from llmpipe.settings import Settings; "
+        f"create_app(Settings(redis_url={redis_url!r})); "
+        "bad = [m for m in ('torch', 'vllm', 'transformers') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -1,0 +1,145 @@
+"""End to end through real Redis, real worker processes and a real engine (vLLM and
+transformers) on the tiny model."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def wait_job(url: str, job_id: str, timeout: float = 120.0) -> dict:
+    end = time.monotonic() + timeout
+    with httpx.Client(base_url=url, timeout=10) as c:
+        while time.monotonic() < end:
+            view = c.get(f"/v1/jobs/{job_id}").json()
+            if view["status"] not in ("queued", "running"):
+                return view
+            time.sleep(0.05)
+    raise AssertionError(f"job {job_id} not done after {timeout}s")
+
+
+def run_job(url: str, body: dict, timeout: float = 120.0) -> dict:
+    r = httpx.post(f"{url}/v1/jobs", json=body, timeout=10)
+    assert r.status_code == 202, r.text
+    created = r.json()
+    assert created["status_url"] == f"/v1/jobs/{created['id']}"
+    return wait_job(url, created["id"], timeout)
+
+
+@pytest.fixture(scope="module")
+def direct_engine(pipeline, tiny_model):
+    """The same engine kind, called directly in this process."""
+    from llmpipe.engines.factory import create_engine
+
+    engine = create_engine(pipeline.s.model_copy(update={"max_batch_size": 8}), tiny_model)
+    yield engine
+    engine.shutdown()
+
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "A quick brown fox jumps over the lazy dog and then",
+    "Hello",
+    "Numbers: one two three four five six seven eight nine ten",
+]
+
+
+def _direct(engine, tokenizer, prompts, max_tokens):
+    from llmpipe.engines.base import EngineRequest
+    from llmpipe.messages import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    reqs = [EngineRequest(f"d{i}", tokenizer(p, add_special_tokens=True)["input_ids"], params) for i, p in enumerate(prompts)]
+    return [o.token_ids for o in engine.generate(reqs)]
+
+
+def test_greedy_job_matches_engine_called_directly(pipeline, direct_engine, tiny_tokenizer):
+    view = run_job(pipeline.api_url, {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0})
+    assert view["status"] == "succeeded", view
+    res = view["result"]["results"][0]
+    expected = _direct(direct_engine, tiny_tokenizer, [PROMPTS[0]], 12)[0]
+    assert res["token_ids"] == expected
+    assert res["text"] == tiny_tokenizer.decode(expected, skip_special_tokens=True)
+    assert res["prompt_tokens"] == len(tiny_tokenizer(PROMPTS[0])["input_ids"])
+    assert res["completion_tokens"] == len(expected)
+    assert res["finish_reason"] in ("stop", "length")
+    assert set(res["timings"]) == {"preprocess", "inference", "postprocess"}
+    for t in res["timings"].values():
+        assert t["queue_wait_s"] >= 0 and t["run_s"] >= 0
+    usage = view["result"]["usage"]
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+def test_five_prompt_job_comes_back_in_order(pipeline, direct_engine, tiny_tokenizer):
+    view = run_job(pipeline.api_url, {"prompts": PROMPTS, "max_tokens": 8, "temperature": 0})
+    assert view["status"] == "succeeded", view
+    results = view["result"]["results"]
+    assert [r["index"] for r in results] == list(range(5))
+    expected = _direct(direct_engine, tiny_tokenizer, PROMPTS, 8)
+    assert [r["token_ids"] for r in results] == expected
+
+
+def test_chat_messages_use_the_chat_template(pipeline, direct_engine, tiny_tokenizer):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    view = run_job(pipeline.api_url, {"messages": messages, "max_tokens": 6, "temperature": 0})
+    assert view["status"] == "succeeded", view
+    ids = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert view["result"]["results"][0]["prompt_tokens"] == len(ids)
+
+
+def test_forty_concurrent_requests_are_batched(pipeline):
+    body = {"prompt": "Tell me a story about", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    def one(_):
+        return run_job(pipeline.api_url, body, timeout=180)
+
+    with ThreadPoolExecutor(40) as ex:
+        views = list(ex.map(one, range(40)))
+    assert all(v["status"] == "succeeded" for v in views), [v["status"] for v in views]
+    sizes = [v["result"]["results"][0]["batch_size"] for v in views]
+    print(f"\n[{pipeline.s.engine.value}] batch sizes under 40 concurrent requests: {sorted(sizes)}")
+    assert max(sizes) > 1
+    assert all(len(v["result"]["results"][0]["token_ids"]) == 8 for v in views)
+
+
+def test_inference_tasks_show_as_succeeded_in_flower(pipeline):
+    url = f"http://127.0.0.1:{pipeline.s.flower_port}"
+    end = time.monotonic() + 30
+    tasks, workers = {}, {}
+    while time.monotonic() < end:
+        try:
+            tasks = httpx.get(f"{url}/api/tasks", params={"taskname": "llmpipe.inference", "state": "SUCCESS"}, timeout=5).json()
+            workers = httpx.get(f"{url}/api/workers", params={"refresh": "true"}, timeout=10).json()
+        except httpx.HTTPError:
+            pass
+        if len(tasks) >= 5 and len(workers) >= 3:
+            break
+        time.sleep(0.5)
+    assert len(tasks) >= 5
+    assert all(t["state"] == "SUCCESS" and t["name"] == "llmpipe.inference" for t in tasks.values())
+    kinds = {name.split("@")[0].rsplit("-", 1)[0] for name in workers}
+    assert {"preprocess", "inference", "postprocess"} <= kinds
+
+
+def test_prompt_over_the_context_fails_with_the_limit_named(pipeline):
+    view = run_job(pipeline.api_url, {"prompt": "word " * 3000, "max_tokens": 16})
+    assert view["status"] == "failed"
+    assert view["error"]["type"] == "context_length_exceeded"
+    assert "context length of 2048" in view["error"]["message"]
+    assert view["result"]["results"][0]["finish_reason"] == "error"
+
+
+def test_unknown_job_is_404_and_bad_body_is_422(pipeline):
+    r = httpx.get(f"{pipeline.api_url}/v1/jobs/nope")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found"
+    r = httpx.post(f"{pipeline.api_url}/v1/jobs", json={"prompt": "hi", "max_tokens": 0})
+    assert r.status_code == 422
+    assert r.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(f"{pipeline.api_url}/v1/jobs", json={"prompt": "hi", "prompts": ["a"]})
+    assert r.status_code == 422 and "exactly one of" in r.json()["error"]["message"]

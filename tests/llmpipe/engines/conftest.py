@@ -1,0 +1,45 @@
+"""Real engines on the tiny model, started once per session (vLLM takes ~10-20 s here)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Also set by tests/conftest.py; repeated so that this folder runs on its own too.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="session")
+def hf_engine(tiny_model):
+    pytest.importorskip("transformers")
+    from llmpipe.engines.hf_engine import TransformersEngine
+
+    engine = TransformersEngine(tiny_model, dtype="float32", max_model_len=MAX_MODEL_LEN, max_batch_size=8)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_model):
+    pytest.importorskip("vllm")
+    from llmpipe.engines.vllm_engine import VllmEngine
+    from llmpipe.engines.base import EngineRequest
+    from llmpipe.errors import EngineDeadError
+    from llmpipe.messages import SamplingParams
+
+    engine = VllmEngine(
+        tiny_model, dtype="float32", max_model_len=MAX_MODEL_LEN, enforce_eager=True, kv_cache_gib=1, max_num_seqs=8, seed=0
+    )
+    print(f"\nvLLM engine started in {engine.start_s:.1f}s")
+    yield engine
+    # Shutting down is idempotent, and an engine that is shut down refuses work.
+    engine.shutdown()
+    engine.shutdown()
+    with pytest.raises(EngineDeadError):
+        engine.generate([EngineRequest("after", [5, 6], SamplingParams(max_tokens=2, temperature=0))])
