@@ -122,7 +122,8 @@ class Batcher(Generic[T]):
         self._cond = threading.Condition()
         self._pending: list[_Pending[T]] = []
         self._stopping = False
-        self._slots = threading.BoundedSemaphore(max(1, concurrent_batches))
+        self.concurrent_batches = max(1, concurrent_batches)
+        self._slots = threading.BoundedSemaphore(self.concurrent_batches)
         self._pool = ThreadPoolExecutor(max_workers=max(1, concurrent_batches), thread_name_prefix="llmpipe-batch")
         self.stats = BatchStats()
         self._thread = threading.Thread(target=self._loop, name="llmpipe-batcher", daemon=True)

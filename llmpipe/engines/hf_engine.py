@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
-from llmpipe.errors import EngineError
+from llmpipe.errors import EngineDeadError, EngineError
 from llmpipe.messages import FinishReason
 
 log = logging.getLogger(__name__)
@@ -123,7 +123,7 @@ class TransformersEngine(Engine):
             self._validate(r)
         with self._lock:
             if self._model is None:
-                raise EngineError("transformers engine is shut down")
+                raise EngineDeadError("transformers engine is shut down")
             outputs: list[EngineOutput] = []
             for start in range(0, len(batch), self._max_batch_size):
                 chunk = batch[start : start + self._max_batch_size]

@@ -137,6 +137,7 @@ class VllmEngine(Engine):
         self._closed = False
         self._llm: Any = None
         self._max_model_len: int | None = None
+        self._vocab_size = 0
         self._eos_ids: list[int] = []
 
         self._loop = asyncio.new_event_loop()
@@ -164,6 +165,7 @@ class VllmEngine(Engine):
         self._llm = AsyncLLM.from_engine_args(self._args, stat_loggers=[self._stats.factory])
         mc = self._llm.model_config
         self._max_model_len = int(mc.max_model_len)
+        self._vocab_size = int(mc.get_vocab_size())
         eos: list[int] = []
         try:
             eos += _as_id_list(mc.try_get_generation_config().get("eos_token_id"))
@@ -268,9 +270,24 @@ class VllmEngine(Engine):
         cause = exc.__cause__ or exc
         return EngineError(f"vLLM failed a request: {type(cause).__name__}: {cause}", transient=_is_transient(exc))
 
+    def _validate(self, r: EngineRequest) -> None:
+        # With skip_tokenizer_init vLLM does not range-check prompt ids: an id outside the
+        # vocabulary kills the engine core (IndexError in the embedding). Check them here.
+        ids = r.prompt_token_ids
+        if not ids:
+            raise EngineError(f"request {r.request_id}: the prompt is empty")
+        if len(ids) >= self._max_model_len:
+            raise EngineError(
+                f"request {r.request_id}: prompt of {len(ids)} tokens leaves no room in max_model_len {self._max_model_len}"
+            )
+        if min(ids) < 0 or max(ids) >= self._vocab_size:
+            raise EngineError(f"request {r.request_id}: a token id is out of vocabulary (size {self._vocab_size})")
+
     def generate(self, batch: list[EngineRequest], on_tokens: TokenCallback | None = None) -> list[EngineOutput]:
         if not batch:
             return []
+        for r in batch:
+            self._validate(r)
         with self._lock:
             if self._closed:
                 raise EngineDeadError("vLLM engine is shut down")

@@ -65,7 +65,6 @@ class _Steps:
     def __init__(self, enabled: bool):
         self.enabled = enabled
         self.console = None
-        self.status = None
         if enabled:
             from rich.console import Console
 
@@ -134,6 +133,7 @@ def prepare_smollm2(dest: Path, progress: bool = True) -> Path:
         str(gguf.stat().st_size),
         DTYPE,
         Path(__file__).read_bytes(),
+        (Path(__file__).parent / "_build.py").read_bytes(),
         *versions,
     )
     steps = _Steps(progress)

@@ -8,7 +8,6 @@ context length, safetensors weights. Tests and development engines load it in se
 
 from __future__ import annotations
 
-import time
 from importlib import metadata
 from pathlib import Path
 
@@ -125,10 +124,3 @@ def build_tiny(dest: Path) -> Path:
     path, _ = build_once(Path(dest), _recipe(), _write)
     return path
 
-
-if __name__ == "__main__":  # python -m llmpipe.models.tiny DEST
-    import sys
-
-    t0 = time.perf_counter()
-    out = build_tiny(Path(sys.argv[1] if len(sys.argv) > 1 else "tiny-model"))
-    print(f"{out} ({time.perf_counter() - t0:.1f}s)")

@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+import pytest
+
+from llmpipe.engines.base import EngineRequest
+from llmpipe.engines.simulated import SimulatedGpuCost, SimulatedGpuEngine
+from llmpipe.messages import FinishReason, SamplingParams
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.sleeps: list[float] = []
+
+    def sleep(self, s: float) -> None:
+        assert s >= 0
+        self.sleeps.append(s)
+        self.now += s
+
+    def clock(self) -> float:
+        return self.now
+
+
+def req(i: int, prompt_len: int = 512, max_tokens: int = 64, stop: list[int] | None = None) -> EngineRequest:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, stop_token_ids=stop or [])
+    return EngineRequest(f"r{i}", [10 + (j % 50) for j in range(prompt_len)], params)
+
+
+def engine(cost: SimulatedGpuCost | None = None) -> tuple[SimulatedGpuEngine, FakeTime]:
+    t = FakeTime()
+    return SimulatedGpuEngine(cost, sleep=t.sleep, clock=t.clock), t
+
+
+def run_time(batch: list[EngineRequest], cost: SimulatedGpuCost | None = None) -> float:
+    e, t = engine(cost)
+    start = t.now
+    e.generate(batch)
+    return t.now - start
+
+
+def test_labelled_simulated_and_static():
+    e, _ = engine()
+    assert "simulated" in e.name
+    assert e.continuous is False
+
+
+def test_one_request_calibration():
+    # One 512-token prompt with 64 output tokens: ~350 ms.
+    assert run_time([req(0)]) == pytest.approx(0.0512 + 64 * 0.0046)
+    assert 0.30 < run_time([req(0)]) < 0.40
+
+
+def test_cost_grows_with_prompt_and_output():
+    base = run_time([req(0, 512, 64)])
+    assert run_time([req(0, 1024, 64)]) == pytest.approx(base + 512 * 0.0001)
+    assert run_time([req(0, 512, 128)]) == pytest.approx(base + 64 * 0.0046)
+    # Decode steps follow the longest request; a step gets dearer with the batch size.
+    c = SimulatedGpuCost()
+    two = run_time([req(0, 100, 10), req(1, 100, 50)])
+    assert two == pytest.approx(200 * c.prefill_s_per_token + 50 * c.step_s(2))
+    assert c.step_s(8) == pytest.approx(c.step_base_s + 7 * c.step_per_seq_s)
+
+
+def test_batching_beats_serial():
+    batch = [req(i) for i in range(32)]
+    serial = 32 * run_time([req(0)])
+    batched = run_time(batch)
+    assert batched < serial / 4
+    c = SimulatedGpuCost()
+    assert c.theoretical_capacity_rps(512, 64, 32) > 4 * c.theoretical_capacity_rps(512, 64, 1)
+    assert c.theoretical_capacity_rps(512, 64, 1) == pytest.approx(1 / run_time([req(0)]))
+
+
+def test_large_batches_run_in_chunks():
+    cost = SimulatedGpuCost(max_batch_size=4)
+    e, t = engine(cost)
+    batch = [req(i, 100, 10) for i in range(10)]
+    out = e.generate(batch)
+    assert [o.request_id for o in out] == [r.request_id for r in batch]
+    expected = cost.chunk_s([100] * 4, [10] * 4) * 2 + cost.chunk_s([100] * 2, [10] * 2)
+    assert t.now - 100.0 == pytest.approx(expected)
+    assert cost.batch_s([100] * 10, [10] * 10) == pytest.approx(expected)
+    assert e.stats()["batches"] == 3
+
+
+def test_outputs_deterministic_and_stop_ids():
+    e, _ = engine()
+    r = EngineRequest("a", [7, 8, 9], SamplingParams(max_tokens=5))
+    calls = []
+    (o,) = e.generate([r], on_tokens=lambda rid, toks: calls.append((rid, toks)))
+    assert o.token_ids == [7, 8, 9, 7, 8]
+    assert o.finish_reason is FinishReason.LENGTH
+    assert o.first_token_at is not None
+    assert calls == [("a", [7, 8, 9, 7, 8])]
+    assert e.generate([r])[0].token_ids == o.token_ids
+    (s,) = e.generate([EngineRequest("b", [7, 8, 9], SamplingParams(max_tokens=5, stop_token_ids=[9]))])
+    assert s.token_ids == [7, 8, 9]
+    assert s.finish_reason is FinishReason.STOP

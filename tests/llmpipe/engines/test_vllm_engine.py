@@ -1,0 +1,172 @@
+"""VllmEngine on the tiny model: one AsyncLLM for the session (see conftest.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from llmpipe.engines.base import EngineRequest
+from llmpipe.errors import EngineError
+from llmpipe.messages import FinishReason, SamplingParams
+
+# Different lengths in one batch: left padding (HF) against paged attention (vLLM).
+PROMPTS = [[17], [300, 301, 302], [900 + i for i in range(9)], [40 + 7 * i for i in range(40)], list(range(100, 300))]
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, **kw)
+
+
+def test_engine_properties(vllm_engine, tiny_model):
+    assert vllm_engine.continuous is True
+    assert vllm_engine.max_model_len == 1024
+    # skip_tokenizer_init: the EOS ids come from the model's generation_config.json.
+    assert vllm_engine.eos_token_ids == [1, 4]
+    assert vllm_engine._sampling_params(greedy(3)).stop_token_ids == [1, 4]
+    assert vllm_engine._sampling_params(greedy(3, ignore_eos=True, stop_token_ids=[9])).stop_token_ids == [9]
+
+
+def test_greedy_ids_equal_transformers(vllm_engine, hf_engine):
+    batch = [EngineRequest(f"g{i}", p, greedy(24)) for i, p in enumerate(PROMPTS)]
+    v = vllm_engine.generate(batch)
+    h = hf_engine.generate(batch)
+    assert [o.request_id for o in v] == [r.request_id for r in batch]
+    assert [o.token_ids for o in v] == [o.token_ids for o in h]
+    assert [o.finish_reason for o in v] == [o.finish_reason for o in h]
+
+
+def test_max_tokens_and_length(vllm_engine):
+    out = vllm_engine.generate([EngineRequest("m1", PROMPTS[1], greedy(1)), EngineRequest("m7", PROMPTS[2], greedy(7))])
+    assert [len(o.token_ids) for o in out] == [1, 7]
+    assert all(o.finish_reason is FinishReason.LENGTH and o.first_token_at for o in out)
+
+
+def test_stop_token_ids(vllm_engine):
+    (ref,) = vllm_engine.generate([EngineRequest("ref", PROMPTS[3], greedy(10))])
+    stop = ref.token_ids[4]
+    cut = ref.token_ids.index(stop) + 1
+    (o,) = vllm_engine.generate([EngineRequest("stop", PROMPTS[3], greedy(10, stop_token_ids=[stop]))])
+    assert o.token_ids == ref.token_ids[:cut]  # the stop token is part of the output
+    assert o.finish_reason is FinishReason.STOP
+
+
+def test_on_tokens_growing_prefixes(vllm_engine):
+    seen: dict[str, list[list[int]]] = {}
+    lock = threading.Lock()
+
+    def on_tokens(rid, toks):
+        with lock:
+            seen.setdefault(rid, []).append(toks)
+
+    out = vllm_engine.generate(
+        [EngineRequest("a", PROMPTS[0], greedy(6)), EngineRequest("b", PROMPTS[4], greedy(4))], on_tokens=on_tokens
+    )
+    for o in out:
+        calls = seen[o.request_id]
+        assert calls[-1] == o.token_ids
+        for shorter, longer in zip(calls, calls[1:]):
+            assert len(shorter) < len(longer) and longer[: len(shorter)] == shorter
+
+
+def test_concurrent_generate_calls(vllm_engine):
+    expected = {i: o.token_ids for i, o in enumerate(vllm_engine.generate(
+        [EngineRequest(f"e{i}", p, greedy(8)) for i, p in enumerate(PROMPTS)]))}
+    results: dict[int, list] = {}
+    errors: list[BaseException] = []
+
+    def call(t: int):
+        try:
+            batch = [EngineRequest(f"t{t}-{i}", PROMPTS[i], greedy(8)) for i in (t % 5, (t + 2) % 5)]
+            results[t] = vllm_engine.generate(batch)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(t,)) for t in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and len(results) == 5
+    for t, outs in results.items():
+        assert [o.token_ids for o in outs] == [expected[t % 5], expected[(t + 2) % 5]]
+
+
+def test_continuous_batching_short_request_overtakes_long(vllm_engine):
+    progress: list[int] = []
+    started = threading.Event()
+
+    def on_tokens(rid, toks):
+        progress.append(len(toks))
+        if len(toks) >= 3:
+            started.set()
+
+    long_out: list = []
+    t = threading.Thread(target=lambda: long_out.extend(vllm_engine.generate(
+        [EngineRequest("long", PROMPTS[1], greedy(900, ignore_eos=True))], on_tokens=on_tokens)))
+    t.start()
+    try:
+        assert started.wait(60)
+        (short,) = vllm_engine.generate([EngineRequest("short", PROMPTS[2], greedy(3))])
+        assert len(short.token_ids) == 3
+        assert progress[-1] < 900  # the long request was still running: the short one joined its batch
+        stats = vllm_engine.stats()
+        assert stats["inflight"] >= 1 and "running" in stats
+    finally:
+        vllm_engine.abort(["long"])
+        t.join(120)
+    assert long_out and long_out[0].finish_reason is FinishReason.CANCELLED
+
+
+def test_abort_returns_cancelled(vllm_engine):
+    seen = threading.Event()
+    out: list = []
+
+    def on_tokens(rid, toks):
+        if len(toks) >= 2:
+            seen.set()
+
+    t = threading.Thread(target=lambda: out.extend(vllm_engine.generate(
+        [EngineRequest("ab", PROMPTS[2], greedy(900, ignore_eos=True)),
+         EngineRequest("keep", PROMPTS[0], greedy(5))], on_tokens=on_tokens)))
+    t0 = time.monotonic()
+    t.start()
+    assert seen.wait(60)
+    vllm_engine.abort(["ab", "not-running"])
+    t.join(120)
+    assert not t.is_alive()
+    ab, keep = out
+    assert ab.finish_reason is FinishReason.CANCELLED and 2 <= len(ab.token_ids) < 900
+    assert keep.finish_reason is FinishReason.LENGTH and len(keep.token_ids) == 5
+    assert time.monotonic() - t0 < 60
+
+
+def test_bad_requests_raise_engine_error(vllm_engine):
+    with pytest.raises(EngineError) as e:
+        vllm_engine.generate([EngineRequest("long", [5] * 1024, greedy(2))])
+    assert not e.value.transient
+    with pytest.raises(EngineError):
+        vllm_engine.generate([EngineRequest("oov", [10**7], greedy(2))])
+    # The engine still works afterwards.
+    assert len(vllm_engine.generate([EngineRequest("ok", PROMPTS[0], greedy(2))])[0].token_ids) == 2
+
+
+def test_vllm_errors_are_translated(vllm_engine):
+    import torch
+    from vllm.v1.engine.exceptions import EngineDeadError as VllmDead
+    from vllm.v1.engine.exceptions import EngineGenerateError
+
+    from llmpipe.errors import EngineDeadError
+
+    assert isinstance(vllm_engine._translate(VllmDead()), EngineDeadError)
+    try:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        except torch.OutOfMemoryError as oom:
+            raise EngineGenerateError() from oom
+    except EngineGenerateError as wrapped:
+        err = vllm_engine._translate(wrapped)
+    assert type(err) is EngineError and err.transient
+    plain = vllm_engine._translate(ValueError("bad"))
+    assert type(plain) is EngineError and not plain.transient

@@ -1,0 +1,28 @@
+from llmpipe.messages import ErrorReason, FinishReason, JobStatus, PromptResult, StageError
+from llmpipe.processors.collector import collect_job
+
+
+def _res(i, error=None):
+    return PromptResult(index=i, text=f"t{i}", token_ids=[i], prompt_tokens=3, completion_tokens=1,
+                        finish_reason=FinishReason.ERROR if error else FinishReason.STOP, error=error).model_dump(mode="json")
+
+
+def test_results_come_back_in_index_order_with_usage():
+    job = collect_job("j", [_res(2), _res(0), _res(1)])
+    assert [r.index for r in job.results] == [0, 1, 2]
+    assert job.status == JobStatus.SUCCEEDED and job.error is None
+    assert (job.usage.prompt_tokens, job.usage.completion_tokens, job.usage.total_tokens) == (9, 3, 12)
+
+
+def test_one_failed_prompt_fails_the_job_but_keeps_the_others():
+    err = StageError(reason=ErrorReason.CONTEXT_LENGTH_EXCEEDED, message="too long")
+    job = collect_job("j", [_res(0), _res(1, err)])
+    assert job.status == JobStatus.FAILED
+    assert job.results[0].text == "t0"
+    assert "1 of 2 prompts failed (indexes [1])" in job.error.message
+    assert job.error.reason == ErrorReason.CONTEXT_LENGTH_EXCEEDED
+
+
+def test_expired_prompt_expires_the_job():
+    err = StageError(reason=ErrorReason.EXPIRED, message="late")
+    assert collect_job("j", [_res(0, err)]).status == JobStatus.EXPIRED

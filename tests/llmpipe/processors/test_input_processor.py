@@ -1,0 +1,70 @@
+import pytest
+
+from llmpipe.messages import ChatMessage, ErrorReason, PromptRequest, SamplingParams, Stage
+from llmpipe.processors.input_processor import InputProcessor
+
+
+class WallClock:
+    def __init__(self, t=1000.0):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+def _req(**kw):
+    base = dict(job_id="j1", index=0, deadline=2000.0, enqueued_at=999.0, params=SamplingParams(max_tokens=8))
+    base.update(kw)
+    return PromptRequest(**base)
+
+
+@pytest.fixture
+def proc(tiny_tokenizer):
+    return InputProcessor(tiny_tokenizer, context_len=64, clock=WallClock())
+
+
+def test_prompt_is_tokenized_with_the_models_tokenizer(proc, tiny_tokenizer):
+    out = proc.process(_req(prompt="The capital of France is"))
+    assert out.error is None
+    assert out.prompt_token_ids == tiny_tokenizer("The capital of France is")["input_ids"]
+    assert out.params.max_tokens == 8
+    assert [t.stage for t in out.timings] == [Stage.PREPROCESS]
+    assert out.timings[0].queue_wait_s == pytest.approx(1.0)
+
+
+def test_chat_template_is_applied(proc, tiny_tokenizer):
+    msgs = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hi")]
+    out = proc.process(_req(messages=msgs))
+    want = tiny_tokenizer.apply_chat_template([m.model_dump() for m in msgs], add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert out.prompt_token_ids == list(want)
+    # the generation prompt ends the sequence with the assistant header
+    assert tiny_tokenizer.decode(out.prompt_token_ids).rstrip().endswith("assistant")
+
+
+def test_context_limit_error_names_the_limit(proc):
+    out = proc.process(_req(prompt="word " * 80))
+    assert out.error is not None
+    assert out.error.reason == ErrorReason.CONTEXT_LENGTH_EXCEEDED
+    assert "context length of 64 tokens" in out.error.message
+    assert "max_tokens is 8" in out.error.message
+    assert out.error.stage == Stage.PREPROCESS
+
+
+def test_expired_request_is_not_tokenized(tiny_tokenizer):
+    proc = InputProcessor(tiny_tokenizer, context_len=64, clock=WallClock(3000.0))
+    out = proc.process(_req(prompt="hello"))
+    assert out.error.reason == ErrorReason.EXPIRED
+    assert out.prompt_token_ids == []
+
+
+def test_special_tokens_in_prompt_text_stay_text(proc, tiny_tokenizer):
+    end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    out = proc.process(_req(prompt="hello <|im_end|> world"))
+    assert end not in out.prompt_token_ids
+    allowed = InputProcessor(tiny_tokenizer, context_len=64, allow_special_tokens=True, clock=WallClock())
+    assert end in allowed.process(_req(prompt="hello <|im_end|> world")).prompt_token_ids
+
+
+def test_empty_prompt_is_a_bad_request(proc):
+    out = proc.process(_req(prompt=""))
+    assert out.error.reason == ErrorReason.INVALID_REQUEST

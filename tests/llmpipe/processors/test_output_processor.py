@@ -1,0 +1,41 @@
+import logging
+
+from llmpipe.messages import ErrorReason, FinishReason, Generation, Stage, StageError, StageTiming
+from llmpipe.processors.output_processor import OutputProcessor
+
+
+def _gen(tok, **kw):
+    ids = tok("Paris is lovely")["input_ids"]
+    base = dict(
+        job_id="j9", index=2, deadline=2000.0, enqueued_at=1000.5, prompt_tokens=5, output_token_ids=ids,
+        finish_reason=FinishReason.LENGTH, batch_size=4, engine_time_s=0.3,
+        timings=[StageTiming(stage=Stage.PREPROCESS, enqueued_at=999.0, started_at=999.1, finished_at=999.2),
+                 StageTiming(stage=Stage.INFERENCE, enqueued_at=999.2, started_at=999.25, finished_at=1000.5)],
+    )
+    base.update(kw)
+    return Generation(**base)
+
+
+def test_detokenizes_and_reports_per_stage_timings(tiny_tokenizer, caplog):
+    proc = OutputProcessor(tiny_tokenizer, clock=lambda: 1001.0)
+    with caplog.at_level(logging.INFO, logger="llmpipe.postprocess"):
+        res = proc.process(_gen(tiny_tokenizer))
+    assert res.text == "Paris is lovely"
+    assert res.index == 2 and res.completion_tokens == len(res.token_ids) and res.prompt_tokens == 5
+    assert res.finish_reason == FinishReason.LENGTH
+    assert set(res.timings) == {Stage.PREPROCESS, Stage.INFERENCE, Stage.POSTPROCESS}
+    assert abs(res.timings[Stage.INFERENCE].queue_wait_s - 0.05) < 1e-6
+    assert abs(res.timings[Stage.POSTPROCESS].queue_wait_s - 0.5) < 1e-6
+    line = caplog.records[-1].getMessage()
+    assert "job=j9" in line and "stage=postprocess" in line and "elapsed_s=2.0000" in line
+
+
+def test_failed_generation_keeps_its_error(tiny_tokenizer):
+    err = StageError(reason=ErrorReason.ENGINE_ERROR, message="boom", stage=Stage.INFERENCE)
+    res = OutputProcessor(tiny_tokenizer, clock=lambda: 1001.0).process(_gen(tiny_tokenizer, error=err, output_token_ids=[]))
+    assert res.error == err and res.text == "" and res.finish_reason == FinishReason.ERROR
+
+
+def test_expired_maps_to_expired_finish(tiny_tokenizer):
+    res = OutputProcessor(tiny_tokenizer, clock=lambda: 3000.0).process(_gen(tiny_tokenizer))
+    assert res.error.reason == ErrorReason.EXPIRED and res.finish_reason == FinishReason.EXPIRED
