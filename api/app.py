@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from contextlib import asynccontextmanager
 
 import redis
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
+from starlette.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 
 from api import errors
 from api.jobs import JobService
 from api.result_backend import polling_backend_url
+from api.waiter import JobWaiter
 from api.schemas import ErrorResponse, JobCreate, JobCreated, JobView
 from llmpipe.jobs import JobStore
 from llmpipe.settings import Settings, get_settings
@@ -25,9 +29,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     r = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=2, health_check_interval=30)
     service = JobService(celery, JobStore(r, settings.result_ttl_s), settings)
 
+    waiter = JobWaiter(settings.redis_url)
+
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
+        await waiter.close()
         r.close()
 
     app = FastAPI(
@@ -52,9 +59,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/v1/jobs/{job_id}", response_model=JobView, name="get_job", tags=["jobs"],
              responses={404: {"model": ErrorResponse, **errors.ERROR_RESPONSES[404]}})
-    def get_job(job_id: str) -> JobView:
+    async def get_job(job_id: str, wait: float = Query(0.0, ge=0.0, le=60.0, description="Long-poll: wait up to this many seconds for the job to finish.")) -> JobView:
         """Status (queued, running, succeeded, failed, expired, cancelled) and, when done, the result."""
-        return service.view(job_id)
+        if wait <= 0:
+            return await run_in_threadpool(service.view, job_id)
+        async with waiter.watch(job_id) as done:
+            view = await run_in_threadpool(service.view, job_id)
+            if view.status.terminal:
+                return view
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), timeout=wait)
+        return await run_in_threadpool(service.view, job_id)
 
     @app.get("/healthz", tags=["ops"])
     def healthz():

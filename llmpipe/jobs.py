@@ -15,6 +15,11 @@ from llmpipe.messages import JobStatus
 
 _KEY = "llmpipe:job:{}"
 
+
+def done_channel(job_id: str) -> str:
+    """Published when a job is settled outside its chord (cancelled, expired)."""
+    return f"llmpipe:job-done:{job_id}"
+
 # Moves a job to a new status unless it is already terminal; returns 1 when it moved.
 _TRANSITION = """
 local cur = redis.call('HGET', KEYS[1], 'status')
@@ -23,6 +28,7 @@ if cur == 'succeeded' or cur == 'failed' or cur == 'expired' or cur == 'cancelle
 if ARGV[1] == 'running' and cur ~= 'queued' then return 0 end
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'updated_at', ARGV[2])
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[3]) end
+if ARGV[1] ~= 'running' then redis.call('PUBLISH', KEYS[2], ARGV[1]) end
 return 1
 """
 
@@ -84,5 +90,5 @@ class JobStore:
     def transition(self, job_id: str, status: JobStatus, error: dict | None = None, now: float | None = None) -> bool:
         if now is None:
             now = time.time()
-        res = self._transition(keys=[self.key(job_id)], args=[status.value, now, json.dumps(error) if error else ""])
+        res = self._transition(keys=[self.key(job_id), done_channel(job_id)], args=[status.value, now, json.dumps(error) if error else ""])
         return res == 1

@@ -117,18 +117,21 @@ class VllmEngine(Engine):
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         self._model = model
-        self._args = AsyncEngineArgs(
-            model=model,
-            skip_tokenizer_init=True,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            enforce_eager=enforce_eager,
-            gpu_memory_utilization=gpu_memory_utilization,
-            kv_cache_memory_bytes=kv_bytes,
-            max_num_seqs=max_num_seqs,
-            seed=seed,
-            disable_log_stats=True,  # our own stat logger below still gets the stats
-        )
+        try:
+            self._args = AsyncEngineArgs(
+                model=model,
+                skip_tokenizer_init=True,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                enforce_eager=enforce_eager,
+                gpu_memory_utilization=gpu_memory_utilization,
+                kv_cache_memory_bytes=kv_bytes,
+                max_num_seqs=max_num_seqs,
+                seed=seed,
+                disable_log_stats=True,  # our own stat logger below still gets the stats
+            )
+        except Exception as e:
+            raise EngineError(f"bad vLLM engine arguments for {model!r}: {type(e).__name__}: {e}") from e
         self._stats = _StatsSink()
         self._lock = threading.Lock()
         self._inflight: Counter[str] = Counter()
@@ -147,6 +150,12 @@ class VllmEngine(Engine):
         try:
             asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=start_timeout_s)
         except BaseException as e:
+            self._closed = True
+            if self._llm is not None:  # started, then failed (or the start timed out)
+                try:
+                    self._llm.shutdown()
+                except Exception:
+                    log.warning("vLLM shutdown after a failed start failed", exc_info=True)
             self._stop_loop()
             raise EngineError(f"vLLM failed to start for {model!r}: {type(e).__name__}: {e}") from e
         self.start_s = time.monotonic() - started

@@ -96,3 +96,28 @@ def test_api_imports_neither_torch_nor_vllm(redis_url):
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_long_poll_wakes_when_the_result_is_stored_and_leaves_no_subscription(client, redis_client):
+    import threading
+    import time
+
+    from llmpipe.celery_app import app as celery
+
+    job_id = client.post("/v1/jobs", json={"prompt": "x"}).json()["id"]
+    out = {}
+
+    def poll():
+        t0 = time.monotonic()
+        out["view"] = client.get(f"/v1/jobs/{job_id}", params={"wait": 10}).json()
+        out["dt"] = time.monotonic() - t0
+
+    t = threading.Thread(target=poll)
+    t.start()
+    time.sleep(0.3)
+    result = {"job_id": job_id, "status": "succeeded", "results": [], "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}, "error": None}
+    celery.backend.store_result(job_id, result, "SUCCESS")
+    t.join(10)
+    assert out["view"]["status"] == "succeeded"
+    assert out["dt"] < 5
+    assert [c for c in redis_client.pubsub_channels() if b"job" in c or b"celery" in c] == []

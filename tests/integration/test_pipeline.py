@@ -143,3 +143,12 @@ def test_unknown_job_is_404_and_bad_body_is_422(pipeline):
     assert r.json()["error"]["param"] == "max_tokens"
     r = httpx.post(f"{pipeline.api_url}/v1/jobs", json={"prompt": "hi", "prompts": ["a"]})
     assert r.status_code == 422 and "exactly one of" in r.json()["error"]["message"]
+
+
+def test_long_poll_returns_when_the_job_finishes(pipeline):
+    r = httpx.post(f"{pipeline.api_url}/v1/jobs", json={"prompt": "Hello there", "max_tokens": 4, "temperature": 0})
+    job_id = r.json()["id"]
+    t0 = time.monotonic()
+    view = httpx.get(f"{pipeline.api_url}/v1/jobs/{job_id}", params={"wait": 30}, timeout=40).json()
+    assert view["status"] == "succeeded"
+    assert time.monotonic() - t0 < 20

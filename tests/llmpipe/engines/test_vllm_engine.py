@@ -170,3 +170,14 @@ def test_vllm_errors_are_translated(vllm_engine):
     assert type(err) is EngineError and err.transient
     plain = vllm_engine._translate(ValueError("bad"))
     assert type(plain) is EngineError and not plain.transient
+
+
+def test_failed_start_raises_engine_error_and_stops_its_thread(tmp_path):
+    pytest.importorskip("vllm")
+    from llmpipe.engines.vllm_engine import VllmEngine
+
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(EngineError):
+        VllmEngine(str(tmp_path), dtype="float32", enforce_eager=True)  # a folder with no model in it
+    leftover = [t for t in threading.enumerate() if t.ident not in before and t.name == "vllm-engine-loop"]
+    assert not leftover
