@@ -66,7 +66,7 @@ class JobService:
             )
             for m in msgs
         ]
-        body_sig = self.celery.signature("llmpipe.collect", kwargs={"job_id": job_id})
+        body_sig = self.celery.signature("llmpipe.collect", kwargs={"job_id": job_id, "submitted_at": now})
         try:
             chord(header, body_sig).apply_async(task_id=job_id)
         except Exception as exc:

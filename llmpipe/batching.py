@@ -145,6 +145,10 @@ class Batcher(Generic[T]):
             self._cond.notify_all()
         return fut
 
+    @property
+    def running(self) -> bool:
+        return not self._stopping
+
     def pending(self) -> int:
         with self._cond:
             return len(self._pending)

@@ -114,6 +114,7 @@ class _Envelope(_Msg):
     enqueued_at: float  # when this message was sent to its current stage
     timings: list[StageTiming] = Field(default_factory=list)
     error: StageError | None = None
+    stream: bool = False  # publish tokens as they are produced (SSE clients)
 
     @property
     def request_id(self) -> str:

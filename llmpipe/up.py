@@ -34,9 +34,9 @@ def run_up(s: Settings, *, flower: bool = True, echo: bool = True, redis_explici
         for port, what in [(s.api_port, "API"), *([(s.flower_port, "Flower")] if flower else [])]:
             if port_in_use(port):
                 raise PipelineError(f"port {port} for the {what} is already in use (choose another with --port/--flower-port)")
-        if redis_answers(s.redis_url):
+        if s.redis_url != "embedded" and redis_answers(s.redis_url):
             console.print(f"redis: using {s.redis_url}")
-        elif redis_explicit:
+        elif redis_explicit and s.redis_url != "embedded":
             raise PipelineError(f"redis at {s.redis_url} does not answer")
         else:
             embedded = EmbeddedRedis(s.state_dir / "redis").start()

@@ -1,9 +1,16 @@
+import time
+
+from llmpipe import metrics
 from llmpipe.celery_app import app
 from llmpipe.processors.collector import collect_job
 
 
 @app.task(name="llmpipe.collect")
-def collect(results: list[dict], job_id: str) -> dict:
+def collect(results: list[dict], job_id: str, submitted_at: float | None = None) -> dict:
     """The chord callback: every prompt of the job, in order. Its return value, stored
     under the job id, is the job's result; the API reads it from there."""
-    return collect_job(job_id, results).model_dump(mode="json")
+    job = collect_job(job_id, results)
+    if submitted_at is not None:
+        metrics.E2E.observe(max(0.0, time.time() - submitted_at))
+    metrics.FINISHED.labels(job.status.value).inc()
+    return job.model_dump(mode="json")

@@ -1,9 +1,15 @@
+from llmpipe import metrics
 from llmpipe.celery_app import app
-from llmpipe.messages import Generation
+from llmpipe.messages import Generation, Stage
 from workers.context import context
 
 
 @app.task(name="llmpipe.postprocess")
 def postprocess(msg: dict) -> dict:
     gen = Generation.model_validate(msg)
-    return context().output_processor.process(gen).model_dump(mode="json")
+    result = context().output_processor.process(gen)
+    t = result.timings[Stage.POSTPROCESS]
+    metrics.observe_stage_times(Stage.POSTPROCESS.value, t.queue_wait_s, t.run_s)
+    if gen.first_token_at is not None and gen.timings:
+        metrics.TTFT.observe(max(0.0, gen.first_token_at - gen.timings[0].enqueued_at))
+    return result.model_dump(mode="json")

@@ -1,5 +1,8 @@
+from llmpipe import metrics
+from llmpipe.cancel import cancelled
 from llmpipe.celery_app import app
-from llmpipe.messages import JobStatus, PromptRequest
+from llmpipe.errors import CancelledError
+from llmpipe.messages import JobStatus, PromptRequest, Stage
 from workers.context import context
 
 
@@ -7,6 +10,11 @@ from workers.context import context
 def preprocess(msg: dict) -> dict:
     req = PromptRequest.model_validate(msg)
     ctx = context()
-    if req.index == 0:
+    if req.error is None and cancelled(ctx.redis, [req.job_id]):
+        req.error = CancelledError("job cancelled before preprocess").to_stage_error(Stage.PREPROCESS)
+    elif req.index == 0:
         ctx.jobs.transition(req.job_id, JobStatus.RUNNING)
-    return ctx.input_processor.process(req).model_dump(mode="json")
+    out = ctx.input_processor.process(req)
+    metrics.observe_stage(out.timings[-1])
+    metrics.observe_error(out.error and out.error.reason.value, Stage.PREPROCESS.value)
+    return out.model_dump(mode="json")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from functools import cached_property
 
 import redis
@@ -22,6 +23,8 @@ class WorkerContext:
         self.settings = settings or get_settings()
         self._lock = threading.Lock()
         self._inference = None
+        self._publisher = None
+        self._cancel_listener = None
 
     @cached_property
     def model_path(self) -> str:
@@ -77,16 +80,34 @@ class WorkerContext:
                 if self._inference is None:
                     from llmpipe.processors.inference_processor import InferenceProcessor
 
+                    from llmpipe import cancel, metrics
+                    from llmpipe.streaming import TokenPublisher
+
                     engine = self.engine_owner.get()
-                    queue_probe = _queue_probe(self.redis, "inference")
                     s = self.settings
-                    self._inference = InferenceProcessor(
+
+                    def on_batch(size: int, wait_s: float) -> None:
+                        metrics.BATCH_SIZE.observe(size)
+                        metrics.BATCH_WAIT.observe(wait_s)
+
+                    self._publisher = TokenPublisher(self.redis)
+                    proc = InferenceProcessor(
                         engine, window_s=s.batch_window_ms / 1000.0, max_size=s.max_batch_size,
-                        company_expected=queue_probe,
+                        company_expected=_queue_probe(self.redis, "inference"), on_batch=on_batch,
+                        publisher=self._publisher, cancelled_jobs=lambda ids: cancel.cancelled(self.redis, ids),
                     )
+                    self._cancel_listener = cancel.CancelListener(self.redis, proc.cancel)
+                    threading.Thread(target=_sample_engine, args=(proc,), name="llmpipe-engine-stats", daemon=True).start()
+                    self._inference = proc
         return self._inference
 
     def shutdown_all(self) -> None:
+        if self._cancel_listener is not None:
+            self._cancel_listener.close()
+            self._cancel_listener = None
+        if self._publisher is not None:
+            self._publisher.close()
+            self._publisher = None
         if self._inference is not None:
             self._inference.shutdown()
             self._inference = None
@@ -94,6 +115,23 @@ class WorkerContext:
             self.engine_owner.shutdown()
         if "tokenizer_owner" in self.__dict__:
             self.tokenizer_owner.shutdown()
+
+
+def _sample_engine(proc, every_s: float = 1.0) -> None:
+    """Engine gauges for the scrape; stops when the processor is shut down."""
+    from llmpipe import metrics
+
+    while proc.batcher.running:
+        try:
+            st = proc.engine.stats()
+            metrics.ENGINE_RUNNING.set(st.get("running", 0))
+            metrics.ENGINE_WAITING.set(st.get("waiting", 0))
+            if "kv_cache_usage" in st:
+                metrics.ENGINE_KV.set(st["kv_cache_usage"])
+            metrics.BATCHER_PENDING.set(proc.batcher.pending())
+        except Exception:
+            log.debug("engine stats failed", exc_info=True)
+        time.sleep(every_s)
 
 
 def _queue_probe(r: redis.Redis, queue: str):

@@ -248,9 +248,9 @@ class VllmEngine(Engine):
             if comp.finish_reason is not None:
                 finish = str(comp.finish_reason)
                 stop_reason = comp.stop_reason
-            if out.finished:
-                break
-            if rid in self._cancelled and not abort_sent:
+            # (No break on out.finished: vLLM's generator ends by itself after it; leaving
+            # it suspended would make its finaliser abort the finished request.)
+            if not out.finished and rid in self._cancelled and not abort_sent:
                 # abort() raced with the request being added; abort it now that it exists.
                 abort_sent = True
                 await self._llm.abort(rid)

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Iterable
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from llmpipe.batching import Batcher
-from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
-from llmpipe.errors import EngineError, ExpiredError
+from llmpipe.engines.base import Engine, EngineOutput, EngineRequest
+from llmpipe.errors import CancelledError, ExpiredError
 from llmpipe.isolation import run_isolated
-from llmpipe.messages import FinishReason, Generation, Stage, StageError, TokenizedRequest
+from llmpipe.messages import ErrorReason, FinishReason, Generation, Stage, StageError, TokenizedRequest
 from llmpipe.processors.envelope import WallClock, run_stage
 
 log = logging.getLogger("llmpipe.inference")
@@ -26,7 +28,12 @@ class _Done:
 
 
 class InferenceProcessor:
-    """Owns the batcher in front of one engine. One per inference worker process."""
+    """Owns the batcher in front of one engine. One per inference worker process.
+
+    ``publisher`` (a TokenPublisher) receives tokens as the engine makes them;
+    ``cancelled_jobs`` answers which of some job ids were cancelled, checked right before
+    a batch reaches the engine; ``cancel(job_id)`` aborts a job's requests in the engine.
+    """
 
     def __init__(
         self,
@@ -36,14 +43,18 @@ class InferenceProcessor:
         max_size: int,
         company_expected: Callable[[], bool] | None = None,
         on_batch: Callable[[int, float], None] | None = None,
-        on_tokens: TokenCallback | None = None,
+        publisher=None,
+        cancelled_jobs: Callable[[Iterable[str]], set[str]] | None = None,
         retry_attempts: int = 3,
         clock: WallClock = time.time,
     ):
         self.engine = engine
         self._clock = clock
-        self._on_tokens = on_tokens
+        self._publisher = publisher
+        self._cancelled_jobs = cancelled_jobs
         self._attempts = retry_attempts
+        self._lock = threading.Lock()
+        self._running: dict[str, set[str]] = defaultdict(set)  # job id -> request ids in the engine
         # A continuous engine takes new requests while a batch runs: keep a few batches in
         # flight so arrivals join vLLM's running batch instead of waiting for it to end.
         self.batcher: Batcher[TokenizedRequest] = Batcher(
@@ -58,14 +69,30 @@ class InferenceProcessor:
     def process(self, req: TokenizedRequest) -> Generation:
         return run_stage(Stage.INFERENCE, req, self._generate, self._failed, self._clock)
 
+    def cancel(self, job_id: str) -> list[str]:
+        with self._lock:
+            ids = list(self._running.get(job_id, ()))
+        if ids:
+            log.info("job=%s stage=inference aborting %d running requests", job_id, len(ids))
+            self.engine.abort(ids)
+        return ids
+
     def _generate(self, req: TokenizedRequest) -> Generation:
-        fut = self.batcher.submit(req)
+        if self._publisher is not None:
+            self._publisher.register(req.request_id, req.job_id, req.index, req.stream)
         try:
-            done: _Done = fut.result(timeout=max(0.0, req.deadline - self._clock()))
-        except FutureTimeout:
-            self.engine.abort([req.request_id])
-            raise ExpiredError("job deadline passed during inference") from None
+            fut = self.batcher.submit(req)
+            try:
+                done: _Done = fut.result(timeout=max(0.0, req.deadline - self._clock()))
+            except FutureTimeout:
+                self.engine.abort([req.request_id])
+                raise ExpiredError("job deadline passed during inference") from None
+        finally:
+            if self._publisher is not None:
+                self._publisher.finish(req.request_id)
         out = done.output
+        if out.finish_reason == FinishReason.CANCELLED:
+            raise CancelledError("job cancelled while the engine ran it")
         return Generation(
             job_id=req.job_id, index=req.index, deadline=req.deadline, enqueued_at=req.enqueued_at,
             prompt_tokens=len(req.prompt_token_ids), output_token_ids=out.token_ids,
@@ -75,19 +102,37 @@ class InferenceProcessor:
 
     def _run_batch(self, batch: list[TokenizedRequest]) -> list[_Done | Exception]:
         now = self._clock()
+        gone = self._cancelled_jobs([r.job_id for r in batch]) if self._cancelled_jobs else set()
         results: list[_Done | Exception | None] = [None] * len(batch)
-        live: list[tuple[int, EngineRequest]] = []
+        live: list[tuple[int, TokenizedRequest]] = []
         for i, r in enumerate(batch):
-            if now >= r.deadline:
+            if r.job_id in gone:
+                results[i] = CancelledError("job cancelled before the engine started it")
+            elif now >= r.deadline:
                 # Expired work never reaches the engine.
                 results[i] = ExpiredError("job deadline passed before the engine started it")
             else:
-                live.append((i, EngineRequest(r.request_id, r.prompt_token_ids, r.params)))
+                live.append((i, r))
         if live:
+            with self._lock:
+                for _, r in live:
+                    self._running[r.job_id].add(r.request_id)
+            on_tokens = self._publisher.on_tokens if self._publisher is not None else None
             t0 = time.monotonic()
-            outs = run_isolated(
-                lambda reqs: self.engine.generate(reqs, self._on_tokens), [er for _, er in live], attempts=self._attempts
-            )
+            try:
+                outs = run_isolated(
+                    lambda reqs: self.engine.generate(reqs, on_tokens),
+                    [EngineRequest(r.request_id, r.prompt_token_ids, r.params) for _, r in live],
+                    attempts=self._attempts,
+                )
+            finally:
+                with self._lock:
+                    for _, r in live:
+                        ids = self._running.get(r.job_id)
+                        if ids is not None:
+                            ids.discard(r.request_id)
+                            if not ids:
+                                del self._running[r.job_id]
             dt = time.monotonic() - t0
             for (i, _), out in zip(live, outs, strict=True):
                 results[i] = out if isinstance(out, Exception) else _Done(out, len(live), dt)
@@ -95,7 +140,8 @@ class InferenceProcessor:
 
     @staticmethod
     def _failed(req: TokenizedRequest, error: StageError) -> Generation:
-        finish = FinishReason.EXPIRED if error.reason == "expired" else FinishReason.ERROR
+        finish = {ErrorReason.EXPIRED: FinishReason.EXPIRED, ErrorReason.CANCELLED: FinishReason.CANCELLED}.get(
+            error.reason, FinishReason.ERROR)
         return Generation(
             job_id=req.job_id, index=req.index, deadline=req.deadline, enqueued_at=req.enqueued_at,
             prompt_tokens=len(req.prompt_token_ids), finish_reason=finish, error=error,
@@ -103,6 +149,3 @@ class InferenceProcessor:
 
     def shutdown(self) -> None:
         self.batcher.stop()
-
-
-__all__ = ["InferenceProcessor", "EngineError"]

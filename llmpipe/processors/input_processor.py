@@ -47,7 +47,7 @@ class InputProcessor:
             )
         return TokenizedRequest(
             job_id=req.job_id, index=req.index, deadline=req.deadline, enqueued_at=req.enqueued_at,
-            prompt_token_ids=ids, params=req.params,
+            prompt_token_ids=ids, params=req.params, stream=req.stream,
         )
 
     @staticmethod

@@ -1,0 +1,62 @@
+"""Job cancellation: a durable flag every stage checks, plus a broadcast that lets the
+inference worker abort requests already running in the engine."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+log = logging.getLogger("llmpipe.cancel")
+
+CHANNEL = "llmpipe:cancel"
+
+
+def cancel_key(job_id: str) -> str:
+    return f"llmpipe:cancelled:{job_id}"
+
+
+def request_cancel(r: Any, job_id: str, ttl_s: int) -> None:
+    pipe = r.pipeline(transaction=False)
+    pipe.set(cancel_key(job_id), 1, ex=ttl_s)
+    pipe.publish(CHANNEL, job_id)
+    pipe.execute()
+
+
+def cancelled(r: Any, job_ids: Iterable[str]) -> set[str]:
+    ids = list(dict.fromkeys(job_ids))
+    if not ids:
+        return set()
+    flags = r.mget([cancel_key(j) for j in ids])
+    return {j for j, f in zip(ids, flags, strict=True) if f is not None}
+
+
+class CancelListener:
+    """Calls ``on_cancel(job_id)`` for every broadcast cancellation; reconnects on error."""
+
+    def __init__(self, r: Any, on_cancel: Callable[[str], None]):
+        self.r = r
+        self.on_cancel = on_cancel
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llmpipe-cancel-listener", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                ps = self.r.pubsub(ignore_subscribe_messages=True)
+                ps.subscribe(CHANNEL)
+                while not self._stop.is_set():
+                    msg = ps.get_message(timeout=1.0)
+                    if msg and msg.get("type") == "message":
+                        data = msg["data"]
+                        self.on_cancel(data.decode() if isinstance(data, bytes) else data)
+                ps.close()
+            except Exception:
+                log.warning("cancel listener lost redis; retrying", exc_info=True)
+                self._stop.wait(1.0)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=3)

@@ -1,0 +1,106 @@
+"""Partial output from the GPU worker to the API, through one Redis stream per job.
+
+The engine calls ``on_tokens`` from its own thread for every step; that must stay cheap,
+so the publisher only records the newest ids and a background thread writes the deltas
+in one pipelined round trip per flush. Streaming requests flush every ``flush_s``; the
+others every ``partial_every_s``, which is enough for ``GET /v1/jobs/{id}`` to show the
+text produced so far.
+
+Entry fields: ``i`` prompt index, ``o`` offset of the first id in ``d``, ``d`` the new
+token ids as JSON. Offsets make a replayed or redelivered stream idempotent to readers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("llmpipe.streaming")
+
+
+def stream_key(job_id: str) -> str:
+    return f"llmpipe:tokens:{job_id}"
+
+
+@dataclass
+class _Tracked:
+    job_id: str
+    index: int
+    stream: bool
+    ids: list[int] = field(default_factory=list)
+    published: int = 0
+    last_flush: float = 0.0
+    done: bool = False
+
+
+class TokenPublisher:
+    def __init__(self, redis_client: Any, *, flush_s: float = 0.02, partial_every_s: float = 0.5,
+                 ttl_s: int = 900, maxlen: int = 100_000, clock=time.monotonic):
+        self.r = redis_client
+        self.flush_s = flush_s
+        self.partial_every_s = partial_every_s
+        self.ttl_s = ttl_s
+        self.maxlen = maxlen
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._tracked: dict[str, _Tracked] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="llmpipe-token-publisher", daemon=True)
+        self._thread.start()
+
+    def register(self, request_id: str, job_id: str, index: int, stream: bool) -> None:
+        with self._lock:
+            self._tracked[request_id] = _Tracked(job_id, index, stream, last_flush=self._clock())
+
+    def on_tokens(self, request_id: str, ids_so_far: list[int]) -> None:
+        t = self._tracked.get(request_id)
+        if t is not None:
+            t.ids = ids_so_far  # a reference swap: safe without the lock
+
+    def finish(self, request_id: str, final_ids: list[int] | None = None) -> None:
+        with self._lock:
+            t = self._tracked.get(request_id)
+            if t is None:
+                return
+            if final_ids is not None:
+                t.ids = final_ids
+            t.done = True
+        self.flush(force=True)
+
+    def flush(self, force: bool = False) -> int:
+        now = self._clock()
+        entries = []
+        with self._lock:
+            for rid, t in list(self._tracked.items()):
+                due = force or t.done or now - t.last_flush >= (self.flush_s if t.stream else self.partial_every_s)
+                if due and len(t.ids) > t.published:
+                    entries.append((t.job_id, {"i": t.index, "o": t.published, "d": json.dumps(t.ids[t.published:])}))
+                    t.published = len(t.ids)
+                    t.last_flush = now
+                if t.done:
+                    del self._tracked[rid]
+        if not entries:
+            return 0
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            for job_id, fields in entries:
+                key = stream_key(job_id)
+                pipe.xadd(key, fields, maxlen=self.maxlen, approximate=True)
+                pipe.expire(key, self.ttl_s)
+            pipe.execute()
+        except Exception:  # partial output is best effort; the result still comes via the chord
+            log.warning("could not publish partial output", exc_info=True)
+        return len(entries)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.flush_s):
+            self.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.flush(force=True)
