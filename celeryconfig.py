@@ -49,12 +49,16 @@ task_reject_on_worker_lost = True
 worker_prefetch_multiplier = 1
 
 broker_transport_options = {
-    # An unacked message is redelivered after this many seconds: longer than any job may
-    # live (max_timeout_s) so a slow but healthy task is never run twice.
-    "visibility_timeout": int(_s.max_timeout_s + 60),
-    # Scan for unacked messages of dead workers every 10 s (kombu's default is ~100 s).
-    "unacked_restore_interval": 10,
+    # An unacked message is redelivered after this many seconds: by default longer than any
+    # job may live (max_timeout_s + 60) so a slow but healthy task is never run twice
+    # (settings.visibility_timeout_s overrides it; the reliability tests shorten it).
+    "visibility_timeout": max(1, int(_s.effective_visibility_timeout_s)),
+    # Scan for unacked messages of dead workers this often (kombu's default is ~100 s).
+    "unacked_restore_interval": _s.unacked_restore_interval_s,
     "unacked_restore_throttle": 1,
+    # The sweep's mutex outlives a worker killed mid-sweep by this long (kombu: 300 s), which
+    # would add to the recovery time; a sweep takes milliseconds.
+    "unacked_mutex_expire": 30,
 }
 # Job results live this long; the API's job records share the same TTL.
 result_expires = _s.result_ttl_s

@@ -62,5 +62,6 @@ class JobView(BaseModel):
     created_at: float
     deadline: float
     prompts: int
+    partial: list[str] | None = Field(default=None, description="Text produced so far, per prompt, while the job runs.")
     result: JobResult | None = None
     error: ErrorBody | None = None

@@ -19,25 +19,51 @@ def main() -> None:
     """llmpipe: LLM serving on a Celery pipeline."""
 
 
+def load_settings(**overrides) -> Settings:
+    """Settings from flags (``overrides``), the environment and the config file, or a
+    one-line error."""
+    from pydantic import ValidationError
+
+    from llmpipe.settings import ConfigFileError
+
+    try:
+        return Settings(**_overrides(**overrides))
+    except ConfigFileError as exc:
+        raise click.ClickException(str(exc)) from None
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err.get("loc", ())) or "settings"
+        raise click.ClickException(f"invalid setting {where}={err.get('input')!r}: {err.get('msg')}") from None
+
+
 @main.command()
 @click.option("--model", help="smollm2 (default), tiny, a local model folder, or a hub id.")
 @click.option("--engine", type=click.Choice([e.value for e in EngineKind]), help="Inference engine.")
-@click.option("--redis-url", help="Use this Redis; without one that answers, an embedded Redis starts.")
+@click.option("--redis-url", help="Use this Redis (it must answer), or 'embedded' for a Redis of llmpipe's own. "
+              "Default: the configured one when it answers, else an embedded one.")
 @click.option("--cpu-workers", type=int, help="Processes in each of the preprocess and postprocess pools.")
 @click.option("--batch-window-ms", type=float, help="Longest wait for a batch to fill, from its first request.")
 @click.option("--max-batch-size", type=int)
 @click.option("--port", type=int, help="API port (default 8000).")
-@click.option("--flower-port", type=int)
+@click.option("--flower-port", type=int, help="Flower port (default 5555).")
 @click.option("--no-flower", is_flag=True)
-@click.option("--quiet", is_flag=True, help="Do not echo the children's logs.")
-def up(model, engine, redis_url, cpu_workers, batch_window_ms, max_batch_size, port, flower_port, no_flower, quiet):
+@click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False),
+              help="A TOML or JSON settings file (same as LLMPIPE_CONFIG); flags and LLMPIPE_* win over it.")
+@click.option("--state-dir", type=click.Path(file_okay=False), help="Models, logs and the embedded Redis live here.")
+@click.option("--ready-timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for readiness.")
+@click.option("--quiet", is_flag=True, help="Do not echo the children's logs (they still go to the log files).")
+def up(model, engine, redis_url, cpu_workers, batch_window_ms, max_batch_size, port, flower_port, no_flower,
+       config_file, state_dir, ready_timeout, quiet):
     """Start Redis (if needed), the workers, the API and Flower; Ctrl-C stops them."""
     from llmpipe.up import run_up
 
-    s = Settings(**_overrides(model=model, engine=engine, redis_url=redis_url, cpu_workers=cpu_workers,
-                              batch_window_ms=batch_window_ms, max_batch_size=max_batch_size, api_port=port,
-                              flower_port=flower_port))
-    sys.exit(run_up(s, flower=not no_flower, echo=not quiet, redis_explicit=redis_url is not None or "LLMPIPE_REDIS_URL" in os.environ))
+    if config_file:
+        os.environ["LLMPIPE_CONFIG"] = os.path.abspath(config_file)
+    s = load_settings(model=model, engine=engine, redis_url=redis_url, cpu_workers=cpu_workers,
+                      batch_window_ms=batch_window_ms, max_batch_size=max_batch_size, api_port=port,
+                      flower_port=flower_port, state_dir=state_dir)
+    sys.exit(run_up(s, flower=not no_flower, echo=not quiet, redis_explicit="redis_url" in s.model_fields_set,
+                    ready_timeout=ready_timeout))
 
 
 @main.command()
@@ -49,7 +75,7 @@ def worker(kind, concurrency, name, loglevel):
     """Run one Celery worker for one queue."""
     from workers.launch import worker_argv
 
-    argv = worker_argv(kind, Settings(), concurrency=concurrency, name=name, loglevel=loglevel)
+    argv = worker_argv(kind, load_settings(), concurrency=concurrency, name=name, loglevel=loglevel)
     os.environ["LLMPIPE_WORKER_KIND"] = kind
     os.execv(argv[0], argv)
 
@@ -62,7 +88,7 @@ def api(host, port, workers):
     """Run the HTTP API (uvicorn)."""
     import uvicorn
 
-    s = Settings()
+    s = load_settings()
     uvicorn.run("api.app:create_app", factory=True, host=host, port=port or s.api_port, workers=workers,
                 log_level="info", timeout_graceful_shutdown=10)
 
@@ -74,7 +100,7 @@ def flower(port, address):
     """Run Flower with basic auth (LLMPIPE_FLOWER_USER / LLMPIPE_FLOWER_PASSWORD)."""
     from llmpipe.local import flower_argv
 
-    argv = flower_argv(Settings(), port=port, address=address)
+    argv = flower_argv(load_settings(), port=port, address=address)
     os.execv(argv[0], argv)
 
 
@@ -87,7 +113,7 @@ def model(name, dest):
 
     from llmpipe.models.registry import resolve_model
 
-    s = Settings()
+    s = load_settings()
     if dest:
         from llmpipe.models.smollm2 import prepare_smollm2
         from llmpipe.models.tiny import build_tiny

@@ -1,4 +1,9 @@
-"""``llmpipe submit`` and ``llmpipe chat``: a small client of a running API."""
+"""``llmpipe submit`` and ``llmpipe chat``: a small client of a running API.
+
+It submits one job, then long-polls ``GET /v1/jobs/{id}?wait=N`` with a spinner until the
+job is done, and prints the text (``--json``: the whole job view). Exit code 0 when the
+job succeeded, 1 otherwise.
+"""
 
 from __future__ import annotations
 
@@ -10,45 +15,82 @@ import click
 import httpx
 from rich.console import Console
 
+POLL_WAIT_S = 10.0  # seconds one long-poll may wait on the server
+
 
 def _headers() -> dict[str, str]:
     key = os.environ.get("LLMPIPE_API_KEY")
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
+def _default_url() -> str:
+    return os.environ.get("LLMPIPE_URL") or f"http://127.0.0.1:{os.environ.get('LLMPIPE_API_PORT', '8000')}"
+
+
+def _error_text(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+    except ValueError:
+        return r.text.strip()[:300] or r.reason_phrase
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict) and err.get("message"):
+        return str(err["message"])
+    return json.dumps(body)[:300]
+
+
 def run_job(url: str, body: dict, timeout: float, console: Console) -> dict:
-    with httpx.Client(base_url=url, timeout=10, headers=_headers()) as http:
-        r = http.post("/v1/jobs", json=body)
-        if r.status_code != 202:
-            raise click.ClickException(f"{r.status_code}: {r.json().get('error', {}).get('message', r.text)}")
-        status_url = r.json()["status_url"]
-        end = time.monotonic() + timeout
-        with console.status("queued") as spin:
-            while time.monotonic() < end:
-                view = http.get(status_url).json()
-                spin.update(view.get("status", "?"))
-                if view.get("status") not in ("queued", "running"):
-                    return view
-                time.sleep(0.1)
-    raise click.ClickException(f"no result after {timeout}s")
+    """Submits ``body`` and returns the job's final view (or raises a one-line error)."""
+    url = url.rstrip("/")
+    end = time.monotonic() + timeout
+    job_id = None
+    try:
+        with httpx.Client(base_url=url, timeout=httpx.Timeout(10.0, read=POLL_WAIT_S + 10), headers=_headers()) as http:
+            r = http.post("/v1/jobs", json=body)
+            if r.status_code != 202:
+                raise click.ClickException(f"the API refused the job ({r.status_code}): {_error_text(r)}")
+            created = r.json()
+            job_id = created["id"]
+            status_url = created.get("status_url") or f"/v1/jobs/{job_id}"
+            with console.status(f"job {job_id}: queued") as spin:
+                while True:
+                    left = end - time.monotonic()
+                    if left <= 0:
+                        break
+                    r = http.get(status_url, params={"wait": round(min(POLL_WAIT_S, max(left, 0.1)), 1)})
+                    if r.status_code != 200:
+                        raise click.ClickException(f"job {job_id}: {r.status_code}: {_error_text(r)}")
+                    view = r.json()
+                    spin.update(f"job {job_id}: {view.get('status', '?')}")
+                    if view.get("status") not in ("queued", "running"):
+                        return view
+    except httpx.ConnectError:
+        raise click.ClickException(f"cannot reach the API at {url} (is `llmpipe up` running? --url or LLMPIPE_URL)") from None
+    except httpx.HTTPError as exc:
+        raise click.ClickException(f"talking to {url}: {type(exc).__name__}: {exc}") from None
+    except KeyboardInterrupt:
+        raise click.ClickException(f"interrupted; job {job_id} goes on: {url}/v1/jobs/{job_id}" if job_id
+                                   else "interrupted") from None
+    raise click.ClickException(f"job {job_id}: not done after {timeout:g}s; see {url}/v1/jobs/{job_id}")
 
 
 def _print(view: dict, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(view, indent=2))
-        return
     if view.get("status") != "succeeded":
         err = view.get("error") or {}
-        raise click.ClickException(f"job {view.get('status')}: {err.get('message', '')}")
-    for r in view["result"]["results"]:
-        click.echo(r["text"])
+        msg = err.get("message", "") if isinstance(err, dict) else str(err)
+        raise click.ClickException(f"job {view.get('id', '')} {view.get('status')}" + (f": {msg}" if msg else ""))
+    if not as_json:
+        for r in (view.get("result") or {}).get("results", []):
+            click.echo(r.get("text", ""))
 
 
 _common = [
-    click.option("--url", default=lambda: os.environ.get("LLMPIPE_URL", "http://127.0.0.1:8000"), show_default="http://127.0.0.1:8000"),
-    click.option("--max-tokens", type=int, default=64),
-    click.option("--temperature", type=float, default=0.0),
-    click.option("--timeout", type=float, default=120.0),
+    click.option("--url", default=_default_url, show_default="$LLMPIPE_URL or http://127.0.0.1:8000",
+                 help="The API's base URL."),
+    click.option("--max-tokens", type=int, default=64, show_default=True),
+    click.option("--temperature", type=float, default=0.0, show_default=True),
+    click.option("--timeout", type=float, default=120.0, show_default=True, help="Seconds to wait for the result."),
     click.option("--json", "as_json", is_flag=True, help="Print the full job view as JSON."),
 ]
 

@@ -6,6 +6,8 @@ same real processes.
 
 from __future__ import annotations
 
+import shutil
+import re
 import sys
 import threading
 import time
@@ -22,6 +24,19 @@ WORKER_KINDS = ("preprocess", "inference", "postprocess")
 
 class PipelineError(Exception):
     """A clear, one-line reason why the pipeline cannot serve."""
+
+
+_CELERY_PREFIX = re.compile(r"^\[\d{4}-\d\d-\d\d [^\]]*\]\s*")
+
+
+def exit_reason(child: Child) -> str:
+    """One line on why a child exited: its own ``llmpipe:`` line if it printed one (an
+    engine that cannot start), else its last line of output."""
+    lines = [_CELERY_PREFIX.sub("", ln.strip()) for ln in child.tail if ln.strip()]
+    own = [ln for ln in lines if ln.startswith("llmpipe:")]
+    last = own[-1].removeprefix("llmpipe:").strip() if own else (lines[-1] if lines else "")
+    code = child.proc.returncode if child.proc else None
+    return f"{child.name} exited with code {code}" + (f": {last[:300]}" if last else "") + f" (log: {child.log_path})"
 
 
 def settings_env(s: Settings) -> dict[str, str]:
@@ -54,7 +69,12 @@ class LocalPipeline:
         self.flower = flower
         self.console = console or Console(stderr=True, highlight=False)
         self.sup = Supervisor(log_dir or settings.state_dir / "logs", console=self.console, echo=echo)
-        self.env = python_env({**settings_env(settings), **(extra_env or {})})
+        # Every process writes its metrics here; the API's /metrics aggregates them.
+        self.metrics_dir = Path(settings.state_dir) / "metrics" / str(settings.api_port)
+        shutil.rmtree(self.metrics_dir, ignore_errors=True)
+        self.metrics_dir.mkdir(parents=True, exist_ok=True)
+        self.env = python_env({**settings_env(settings), "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir),
+                               **(extra_env or {})})
 
     @property
     def api_url(self) -> str:
@@ -77,7 +97,9 @@ class LocalPipeline:
         dead = self.sup.exited()
         return dead[0] if dead else None
 
-    def wait_ready(self, timeout: float = 300.0, status=None) -> None:
+    def wait_ready(self, timeout: float = 300.0, status=None, stop_event: threading.Event | None = None) -> bool:
+        """Until every worker answers a ping and the API is healthy. Raises PipelineError
+        when a child exits or at ``timeout``; returns False when ``stop_event`` is set."""
         from celery import Celery
 
         probe = Celery(broker=self.s.redis_url, backend=self.s.redis_url)
@@ -86,11 +108,15 @@ class LocalPipeline:
         api_ok = not self.api
         try:
             while time.monotonic() < end:
+                if stop_event is not None and stop_event.is_set():
+                    return False
                 dead = self.first_exited()
                 if dead is not None:
-                    last = next((ln for ln in reversed(dead.tail) if ln.strip()), "")
-                    raise PipelineError(f"{dead.name} exited with code {dead.proc.returncode}: {last.strip()[:300]} (log: {dead.log_path})")
-                replies = probe.control.ping(timeout=0.5) or []
+                    raise PipelineError(exit_reason(dead))
+                try:
+                    replies = probe.control.ping(timeout=0.5) or []
+                except Exception:  # Redis going away while we start: the child exits next
+                    replies = []
                 suffix = f"-{self.s.api_port}"
                 seen = {name.split("@")[0].removesuffix(suffix) for r in replies for name in r}
                 if not api_ok:
@@ -100,7 +126,7 @@ class LocalPipeline:
                         api_ok = False
                 missing = sorted(want - seen) + ([] if api_ok else ["api"])
                 if not missing:
-                    return
+                    return True
                 if status is not None:
                     status.update(f"waiting for: {', '.join(missing)}")
                 time.sleep(0.3)
@@ -108,8 +134,10 @@ class LocalPipeline:
             probe.close()
         raise PipelineError(f"not ready after {timeout:.0f}s; see the logs in {self.sup.log_dir}")
 
-    def stop(self, timeout: float = 60.0, force_event: threading.Event | None = None) -> None:
-        self.sup.stop(timeout=timeout, force_event=force_event)
+    def stop(self, timeout: float = 60.0, force_event: threading.Event | None = None) -> bool:
+        """Warm, in pipeline order: each stage finishes what it runs before the next one
+        stops, so running requests get through; the API and Flower stop last."""
+        return self.sup.stop(timeout=timeout, force_event=force_event, order=[[k] for k in WORKER_KINDS])
 
     def __enter__(self) -> LocalPipeline:
         return self.start()

@@ -80,6 +80,8 @@ class SamplingParams(_Msg):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = None
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    # Stop strings need text, so postprocess applies them after detokenizing.
+    stop: list[str] = Field(default_factory=list, max_length=16)
     ignore_eos: bool = False
 
 
@@ -151,6 +153,7 @@ class Generation(_Envelope):
     batch_size: int = 0
     engine_time_s: float = 0.0
     first_token_at: float | None = None
+    stop: list[str] = Field(default_factory=list)  # stop strings, applied in postprocess
 
 
 class StageTimingSummary(_Msg):

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import redis
 
+from llmpipe.supervisor import die_with_parent
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -48,7 +50,11 @@ def redis_answers(url: str, timeout: float = 1.0) -> bool:
 
 
 class EmbeddedRedis:
-    """redis-server on a loopback port with AOF persistence in ``data_dir``."""
+    """redis-server on a loopback port with AOF persistence in ``data_dir``.
+
+    It dies with the process that started it (PR_SET_PDEATHSIG: SIGTERM, on which
+    redis-server writes out its AOF), so it never outlives ``llmpipe up``.
+    """
 
     def __init__(self, data_dir: Path, port: int | None = None, appendonly: bool = True):
         self.data_dir = Path(data_dir)
@@ -67,7 +73,8 @@ class EmbeddedRedis:
             "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "everysec",
             "--daemonize", "no", "--logfile", str(self.data_dir / "redis.log"),
         ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     stdin=subprocess.DEVNULL, preexec_fn=die_with_parent())
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             if self.proc.poll() is not None:
@@ -77,6 +84,14 @@ class EmbeddedRedis:
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout}s")
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def aof_path(self) -> Path:
+        return self.data_dir / "appendonly.aof"
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc and self.proc.poll() is None:

@@ -1,7 +1,9 @@
 """The one typed settings object for llmpipe.
 
 Precedence: explicit overrides (CLI flags) > environment (``LLMPIPE_*``) > an optional
-config file named by ``LLMPIPE_CONFIG`` (TOML or JSON) > defaults.
+config file named by ``LLMPIPE_CONFIG`` (TOML or JSON; ``llmpipe up --config FILE`` sets
+it) > defaults. In the file, keys are the field names (``api_port = 8001``), at the top
+level or under an ``[llmpipe]`` table.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ def _state_dir_default() -> Path:
     return Path(os.environ.get("XDG_STATE_HOME", Path.home() / ".local" / "state")) / "llmpipe"
 
 
+class ConfigFileError(ValueError):
+    """The config file named by LLMPIPE_CONFIG cannot be read."""
+
+
 class _ConfigFileSource(PydanticBaseSettingsSource):
     """Reads the file named by LLMPIPE_CONFIG; lowest priority above defaults."""
 
@@ -40,9 +46,16 @@ class _ConfigFileSource(PydanticBaseSettingsSource):
         path = os.environ.get("LLMPIPE_CONFIG")
         if not path:
             return {}
-        p = Path(path)
-        text = p.read_text()
-        data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+        p = Path(path).expanduser()
+        try:
+            text = p.read_text()
+            data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
+        except OSError as exc:
+            raise ConfigFileError(f"config file {path} (LLMPIPE_CONFIG): {exc.strerror or exc}") from None
+        except ValueError as exc:  # JSONDecodeError and TOMLDecodeError both are
+            raise ConfigFileError(f"config file {path} (LLMPIPE_CONFIG) is not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {exc}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("llmpipe", data), dict):
+            raise ConfigFileError(f"config file {path} (LLMPIPE_CONFIG) must hold a table of settings")
         return data.get("llmpipe", data)
 
 
@@ -90,6 +103,32 @@ class Settings(BaseSettings):
     flower_user: str = "admin"
     flower_password: str = ""
     api_keys: str = ""  # comma-separated bearer keys; empty disables auth
+
+    # SIMULATED engine (benchmarks only): the GPU cost model, see llmpipe/engines/simulated.py.
+    # Defaults: ~346 ms of "GPU" time for one 512-token prompt with 64 output tokens.
+    sim_prefill_ms_per_token: float = 0.1
+    sim_step_ms: float = 4.6  # one decode step of a batch of one
+    sim_step_ms_per_seq: float = 0.15  # added to a step per extra sequence in the batch
+    # Simulated CPU work (busy loop, CPU time) per prompt in the pre/post stages; 0: none.
+    # Benchmarks only (`llmpipe bench --engine simulated`); never set in production.
+    sim_preprocess_cpu_ms: float = 0.0
+    sim_postprocess_cpu_ms: float = 0.0
+
+    # Reliability (docs/reliability.md)
+    # An unacked message (its worker died) is redelivered after this long; None: max_timeout_s
+    # + 60, so that a slow but healthy task is never run twice. Tests shorten it.
+    visibility_timeout_s: float | None = None
+    unacked_restore_interval_s: float = 10.0  # how often workers sweep for such messages
+    max_deliveries: int = 3  # an inference request delivered more often (it kills its worker) is dead-lettered
+    deadletter_ttl_s: int = 7 * 24 * 3600
+    deadletter_max_entries: int = 10_000
+    # The deadline watchdog (llmpipe/watchdog.py) in postprocess/collect workers; 0 disables it.
+    watchdog_interval_s: float = 2.0
+    watchdog_grace_s: float = 5.0  # how long after its deadline an unfinished job is settled
+
+    @property
+    def effective_visibility_timeout_s(self) -> float:
+        return self.visibility_timeout_s if self.visibility_timeout_s else self.max_timeout_s + 60
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):

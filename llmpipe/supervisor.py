@@ -1,5 +1,11 @@
 """Runs a set of child processes with per-child log files and a prefixed console view,
-and shuts them down warm (SIGTERM), or forced (SIGKILL) on a second Ctrl-C."""
+and shuts them down warm (SIGTERM), or forced (SIGKILL) on a second Ctrl-C.
+
+No child outlives the supervisor: each child runs in its own process group (so a
+terminal's Ctrl-C reaches only the supervisor, which decides), every group is killed
+at the end (grandchildren included), and PR_SET_PDEATHSIG makes the kernel send
+SIGTERM to the children should the supervisor itself die (even by SIGKILL).
+"""
 
 from __future__ import annotations
 
@@ -7,26 +13,36 @@ import ctypes
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
+from rich.text import Text
 
 _COLORS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta"]
+_PR_SET_PDEATHSIG = 1
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    # If the supervisor itself is killed, the kernel sends SIGTERM to its children, so
-    # no orphan outlives `llmpipe up`.
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    os.setsid()
+def die_with_parent(sig: int = signal.SIGTERM, new_session: bool = True):
+    """A ``preexec_fn``: the child gets ``sig`` when this (forking) process dies, and runs
+    in a session of its own (away from the terminal's Ctrl-C)."""
+    parent = os.getpid()
+
+    def preexec() -> None:  # pragma: no cover - runs in the child before exec
+        try:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, sig)
+        except OSError:
+            pass
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os._exit(1)
+        if new_session:
+            os.setsid()
+
+    return preexec
 
 
 @dataclass
@@ -39,80 +55,110 @@ class Child:
     color: str = "white"
     tail: list[str] = field(default_factory=list)
 
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
 
 class Supervisor:
-    def __init__(self, log_dir: Path, console: Console | None = None, echo: bool = True):
+    def __init__(self, log_dir: Path, console: Console | None = None, echo: bool = True, width: int = 12):
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.console = console or Console(stderr=True, highlight=False)
         self.echo = echo
+        self.width = width
         self.children: list[Child] = []
         self._threads: list[threading.Thread] = []
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> Child:
         child = Child(name, argv, env, self.log_dir / f"{name}.log", color=_COLORS[len(self.children) % len(_COLORS)])
+        self.width = max(self.width, len(name))
         child.proc = subprocess.Popen(
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent, text=True, bufsize=1, errors="replace",
+            preexec_fn=die_with_parent(), text=True, bufsize=1, errors="replace",
         )
+        self.children.append(child)
         t = threading.Thread(target=self._pump, args=(child,), daemon=True, name=f"log-{name}")
         t.start()
         self._threads.append(t)
-        self.children.append(child)
         return child
 
     def _pump(self, child: Child) -> None:
+        """Copies the child's output to its log file and, prefixed, to the console. It
+        never stops reading before the child closes its output, so a child never blocks
+        on a full pipe."""
         assert child.proc and child.proc.stdout
-        width = max(12, *(len(c.name) for c in self.children)) if self.children else 12
         with child.log_path.open("a", buffering=1) as log:
             for line in child.proc.stdout:
-                log.write(line)
-                child.tail = (child.tail + [line.rstrip()])[-40:]
+                line = line.rstrip("\n")
+                try:
+                    log.write(line + "\n")
+                except OSError:
+                    pass
+                child.tail = (child.tail + [line])[-40:]
                 if self.echo:
-                    self.console.print(f"[{child.color}]{child.name:<{width}}|[/] {line.rstrip()}", markup=True,
-                                       highlight=False, soft_wrap=True, emoji=False)
+                    try:
+                        self.console.print(Text.assemble((f"{child.name:<{self.width}}| ", child.color), line),
+                                           soft_wrap=True, highlight=False)
+                    except Exception:  # the console view must never stop the copy
+                        pass
 
     def exited(self) -> list[Child]:
         return [c for c in self.children if c.proc and c.proc.poll() is not None]
 
-    def _signal_all(self, sig: int) -> None:
-        for c in self.children:
-            if c.proc and c.proc.poll() is None:
-                try:
-                    if sig == signal.SIGKILL:
-                        os.killpg(c.proc.pid, sig)  # the whole group, prefork children included
-                    else:
-                        # Only the main process: Celery's warm shutdown lets its pool
-                        # children finish their tasks before it stops them.
-                        c.proc.send_signal(sig)
-                except ProcessLookupError:
-                    pass
+    def get(self, name: str) -> Child | None:
+        return next((c for c in self.children if c.name == name), None)
 
-    def stop(self, timeout: float = 60.0, force_event: threading.Event | None = None) -> None:
-        """Warm shutdown: SIGTERM everyone, wait; SIGKILL what remains at timeout or when
-        ``force_event`` is set (a second Ctrl-C)."""
-        self._signal_all(signal.SIGTERM)
+    def _signal(self, children: Iterable[Child], sig: int) -> None:
+        for c in children:
+            if not c.running:
+                continue
+            try:
+                if sig == signal.SIGKILL:
+                    os.killpg(c.proc.pid, sig)  # the whole group, pool children included
+                else:
+                    # Only the main process: Celery's warm shutdown lets its pool children
+                    # finish their tasks before it stops them.
+                    c.proc.send_signal(sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def stop(self, timeout: float = 60.0, force_event: threading.Event | None = None,
+             order: Sequence[Sequence[str]] | None = None) -> bool:
+        """Warm shutdown: SIGTERM the children stage by stage (``order`` lists stages of
+        child names; children not named form a last stage), waiting for each stage to
+        exit; SIGKILL whatever remains at ``timeout`` or once ``force_event`` is set (a
+        second Ctrl-C). Returns True when everything stopped warm."""
+        named = {n for stage in (order or []) for n in stage}
+        stages = [[c for c in self.children if c.name in stage] for stage in (order or [])]
+        stages.append([c for c in self.children if c.name not in named])
         end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if all(c.proc is None or c.proc.poll() is not None for c in self.children):
+        warm = True
+        for stage in stages:
+            self._signal(stage, signal.SIGTERM)
+            while any(c.running for c in stage):
+                if time.monotonic() >= end or (force_event is not None and force_event.is_set()):
+                    warm = False
+                    break
+                time.sleep(0.05)
+            if not warm:
                 break
-            if force_event is not None and force_event.is_set():
-                break
-            time.sleep(0.1)
-        self._signal_all(signal.SIGKILL)
+        self._signal(self.children, signal.SIGKILL)
         for c in self.children:
-            if c.proc:
-                try:
-                    c.proc.wait(5)
-                except subprocess.TimeoutExpired:
-                    pass
-                # Reap anything left in the child's process group (e.g. a prefork child).
-                try:
-                    os.killpg(c.proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            if c.proc is None:
+                continue
+            try:
+                c.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+            # Anything left in the child's process group (a pool child, an engine process).
+            try:
+                os.killpg(c.proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         for t in self._threads:
             t.join(timeout=2)
+        return warm
 
 
 def python_env(extra: dict[str, str]) -> dict[str, str]:
@@ -125,4 +171,4 @@ def python_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-__all__ = ["Supervisor", "Child", "python_env", "sys"]
+__all__ = ["Supervisor", "Child", "die_with_parent", "python_env"]

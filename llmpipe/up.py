@@ -1,90 +1,196 @@
-"""``llmpipe up``: everything in one command, with a warm shutdown on Ctrl-C."""
+"""``llmpipe up``: everything in one command, with a warm shutdown on Ctrl-C.
+
+Redis (the configured one when it answers, else an embedded redis-server with its AOF
+under the state dir), the model (prepared once into the state dir), one Celery worker per
+stage, the API and Flower, as supervised children. Ctrl-C: a warm shutdown in pipeline
+order (running requests finish; queued work stays in Redis for the next start); a second
+Ctrl-C forces it. Every way out stops every child and the embedded Redis.
+"""
 
 from __future__ import annotations
 
+import os
 import secrets
+import shutil
 import signal
+import sys
 import threading
+import time
+from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 
 from llmpipe.local import LocalPipeline, PipelineError
 from llmpipe.redis_server import EmbeddedRedis, port_in_use, redis_answers
-from llmpipe.settings import Settings
+from llmpipe.settings import EngineKind, Settings
+
+EMBEDDED = "embedded"
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _Interrupted(Exception):
+    """Ctrl-C before any child started: nothing to stop warm."""
+
+
+def on_cpu() -> bool:
+    """No NVIDIA device node: vLLM (if used) runs on the CPU. Cheap: imports nothing."""
+    return not Path("/dev/nvidiactl").exists()
+
+
+def child_env(s: Settings) -> dict[str, str]:
+    """Environment defaults for the children; a variable already set in the environment wins."""
+    env = {
+        "VLLM_HOST_IP": "127.0.0.1",  # vLLM's own sockets stay on loopback
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        # The CPU stages load their tokenizer before forking their pool.
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if s.engine == EngineKind.VLLM and on_cpu():
+        # The engine core in the worker process itself: it starts in ~11 s instead of
+        # ~16-21 s with a separate engine-core process on this class of machine, and leaves
+        # no engine process to orphan. (The engine sets VLLM_CPU_KVCACHE_SPACE from
+        # settings.kv_cache_gib itself.)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    return {k: v for k, v in env.items() if k not in os.environ}
+
+
+def check_model_path(path: str) -> None:
+    p = Path(path)
+    if p.is_dir() and not (p / "config.json").is_file():
+        raise PipelineError(f"model folder {path} has no config.json: not a Hugging Face model folder")
 
 
 def run_up(s: Settings, *, flower: bool = True, echo: bool = True, redis_explicit: bool = False,
-           ready_timeout: float = 600.0) -> int:
+           ready_timeout: float = 600.0, stop_timeout: float = 120.0) -> int:
     from llmpipe.models.registry import resolve_model
 
-    console = Console(stderr=True, highlight=False)
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    out = Console(highlight=False, soft_wrap=True)
     embedded: EmbeddedRedis | None = None
     pipeline: LocalPipeline | None = None
     force = threading.Event()
     stopping = threading.Event()
+    started = time.monotonic()
 
     def on_signal(signum, frame):
         if stopping.is_set():
-            console.print("[red]forcing shutdown[/]")
+            if not force.is_set():
+                console.print("[red]forcing shutdown[/]")
             force.set()
-        else:
-            stopping.set()
+            return
+        stopping.set()
+        if pipeline is None:
+            raise _Interrupted()
 
+    previous = {sig: signal.signal(sig, on_signal) for sig in _SIGNALS}
+    code = 0
     try:
-        for port, what in [(s.api_port, "API"), *([(s.flower_port, "Flower")] if flower else [])]:
+        for port, what, flag in [(s.api_port, "API", "--port"), *([(s.flower_port, "Flower", "--flower-port")] if flower else [])]:
             if port_in_use(port):
-                raise PipelineError(f"port {port} for the {what} is already in use (choose another with --port/--flower-port)")
-        if s.redis_url != "embedded" and redis_answers(s.redis_url):
-            console.print(f"redis: using {s.redis_url}")
-        elif redis_explicit and s.redis_url != "embedded":
-            raise PipelineError(f"redis at {s.redis_url} does not answer")
-        else:
-            embedded = EmbeddedRedis(s.state_dir / "redis").start()
-            s = s.model_copy(update={"redis_url": embedded.url})
-            console.print(f"redis: {s.redis_url} did not answer; started an embedded redis-server at {embedded.url} "
-                          f"(AOF in {embedded.data_dir})")
+                raise PipelineError(f"port {port} for the {what} is already in use (choose another with {flag})")
         try:
             model_path = resolve_model(s.model, s.models_dir, progress=True)
+        except _Interrupted:
+            raise
         except Exception as exc:
-            raise PipelineError(f"model {s.model!r}: {exc}") from exc
-        console.print(f"model: {s.model} -> {model_path}; engine: {s.engine.value}")
+            raise PipelineError(f"model {s.model}: {exc}") from None
+        check_model_path(model_path)
+        console.print(f"model: {s.model} ({model_path}); engine: {s.engine.value}")
+        embedded, s = _redis(s, redis_explicit, console)
         if flower and not s.flower_password:
             s = s.model_copy(update={"flower_password": secrets.token_urlsafe(12)})
-        signal.signal(signal.SIGINT, on_signal)
-        signal.signal(signal.SIGTERM, on_signal)
-        pipeline = LocalPipeline(s, flower=flower, echo=echo, console=console).start()
+        pipeline = LocalPipeline(s, flower=flower, echo=echo, console=console, extra_env=child_env(s))
+        pipeline.start()
         with console.status("starting") as status:
-            pipeline.wait_ready(ready_timeout, status=status)
-        _print_ready(console, s, flower)
+            ready = pipeline.wait_ready(ready_timeout, status=status, stop_event=stopping)
+        if ready:
+            _print_ready(out, s, flower, embedded, pipeline, time.monotonic() - started)
         while not stopping.is_set():
             dead = pipeline.first_exited()
             if dead is not None:
-                raise PipelineError(f"{dead.name} exited with code {dead.proc.returncode} (log: {dead.log_path})")
+                from llmpipe.local import exit_reason
+
+                raise PipelineError(exit_reason(dead))
             stopping.wait(0.5)
-        console.print("[yellow]warm shutdown: running requests finish, queued jobs stay in Redis (Ctrl-C again to force)[/]")
-        return 0
+        code = 0 if ready else 130
+    except _Interrupted:
+        code = 130
     except PipelineError as exc:
-        console.print(f"[red]llmpipe up: {exc}[/]")
-        return 2
+        console.print(f"llmpipe up: {exc}", style="red", markup=False)
+        code = 1
+    except Exception as exc:  # a bug: still one line, and still a clean stop
+        if os.environ.get("LLMPIPE_DEBUG"):
+            raise
+        console.print(f"llmpipe up: unexpected {type(exc).__name__}: {exc} (LLMPIPE_DEBUG=1 shows the traceback)",
+                      style="red", markup=False)
+        code = 1
     finally:
         stopping.set()
         if pipeline is not None:
-            pipeline.stop(timeout=90.0, force_event=force)
+            if code in (0, 130):
+                console.print("[yellow]warm shutdown: running requests finish, queued jobs stay in Redis "
+                              "(Ctrl-C again to force)[/]")
+            if not pipeline.stop(timeout=stop_timeout, force_event=force) and code == 0:
+                code = 130
         if embedded is not None:
             embedded.stop()
-        console.print("stopped")
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if pipeline is not None or embedded is not None:
+            console.print("stopped" + (" (forced)" if force.is_set() else ""))
+    return code
 
 
-def _print_ready(console: Console, s: Settings, flower: bool) -> None:
+def _redis(s: Settings, explicit: bool, console: Console) -> tuple[EmbeddedRedis | None, Settings]:
+    """The Redis to use, said in one line: the configured one when it answers, else an
+    embedded one (always with ``--redis-url embedded``)."""
+    if s.redis_url != EMBEDDED:
+        if redis_answers(s.redis_url):
+            console.print(f"redis: using {s.redis_url}")
+            return None, s
+        if explicit:
+            raise PipelineError(f"redis at {s.redis_url} does not answer (leave --redis-url out, or "
+                                f"use --redis-url {EMBEDDED}, for an embedded Redis)")
+    try:
+        embedded = EmbeddedRedis(s.state_dir / "redis").start()
+    except RuntimeError as exc:
+        raise PipelineError(f"embedded redis: {exc}") from None
+    why = "" if s.redis_url == EMBEDDED else f"; {s.redis_url} did not answer"
+    console.print(f"redis: embedded redis-server at {embedded.url} (AOF in {embedded.data_dir}){why}")
+    return embedded, s.model_copy(update={"redis_url": embedded.url})
+
+
+def _cli_name() -> str:
+    exe = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if exe and shutil.which("llmpipe") == exe:
+        return "llmpipe"
+    if exe.endswith("llmpipe") and os.path.isfile(exe):
+        rel = os.path.relpath(exe)
+        return rel if not rel.startswith("..") else exe
+    return "llmpipe"
+
+
+def _print_ready(out: Console, s: Settings, flower: bool, embedded: EmbeddedRedis | None,
+                 pipeline: LocalPipeline, took: float) -> None:
     api = f"http://127.0.0.1:{s.api_port}"
-    lines = ["[bold green]llmpipe is ready[/]", f"  API      {api}   (docs: {api}/docs)"]
-    if flower:
-        lines.append(f"  Flower   http://127.0.0.1:{s.flower_port}   (user {s.flower_user}, password {s.flower_password})")
-    lines += [
-        "  try:",
-        f"    curl -s -X POST {api}/v1/jobs -H 'content-type: application/json' \\",
-        "      -d '{\"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of France?\"}], \"max_tokens\": 32, \"temperature\": 0}'",
-        f"    curl -s {api}/v1/jobs/<id>",
-        "    .venv/bin/llmpipe chat \"What is the capital of France?\"",
+    body = ('{"messages": [{"role": "user", "content": "What is the capital of France?"}], '
+            '"max_tokens": 32, "temperature": 0}')
+    url_opt = "" if s.api_port == 8000 else f" --url {api}"
+    lines = [
+        f"[bold green]llmpipe is ready[/] in {took:.1f}s (model {s.model}, engine {s.engine.value})",
+        f"  API      {api}   docs: {api}/docs",
     ]
-    console.print("\n".join(lines), markup=True)
+    if flower:
+        lines.append(f"  Flower   http://127.0.0.1:{s.flower_port}   user {s.flower_user}, password {s.flower_password}")
+    lines += [
+        f"  Redis    {s.redis_url}" + (" (embedded)" if embedded else ""),
+        f"  Logs     {pipeline.sup.log_dir}",
+        "  Try:",
+        f"    curl -s {api}/v1/jobs -H 'content-type: application/json' -d '{body}'",
+        f"    curl -s '{api}/v1/jobs/<id>?wait=30'",
+        f"    {_cli_name()} chat{url_opt} \"What is the capital of France?\"",
+        "  Ctrl-C stops (warm: running requests finish, queued ones wait in Redis); twice forces.",
+    ]
+    out.print("\n".join([lines[0], *map(escape, lines[1:])]), markup=True, highlight=False)

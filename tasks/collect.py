@@ -1,8 +1,10 @@
 import time
 
 from llmpipe import metrics
+from llmpipe.admission import release
 from llmpipe.celery_app import app
 from llmpipe.processors.collector import collect_job
+from workers.context import context
 
 
 @app.task(name="llmpipe.collect")
@@ -10,6 +12,9 @@ def collect(results: list[dict], job_id: str, submitted_at: float | None = None)
     """The chord callback: every prompt of the job, in order. Its return value, stored
     under the job id, is the job's result; the API reads it from there."""
     job = collect_job(job_id, results)
+    release(context().redis, job_id)
+    # The job is done: its requests' stored stage results (llmpipe/idempotency.py) are not needed.
+    context().memo.forget(f"{job_id}-{r.index}" for r in job.results)
     if submitted_at is not None:
         metrics.E2E.observe(max(0.0, time.time() - submitted_at))
     metrics.FINISHED.labels(job.status.value).inc()

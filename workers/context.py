@@ -6,6 +6,8 @@ Celery's worker_shutdown / worker_process_shutdown signals call ``shutdown_all``
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import threading
 import time
 from functools import cached_property
@@ -40,6 +42,21 @@ class WorkerContext:
     @cached_property
     def jobs(self) -> JobStore:
         return JobStore(self.redis, self.settings.result_ttl_s)
+
+    @cached_property
+    def memo(self):
+        """Stage results by request id, so a redelivered message re-runs nothing (llmpipe/idempotency.py)."""
+        from llmpipe.idempotency import StageMemo
+
+        s = self.settings
+        return StageMemo(self.redis, slack_s=s.effective_visibility_timeout_s + s.unacked_restore_interval_s + 60,
+                         max_deliveries=s.max_deliveries)
+
+    @cached_property
+    def deadletters(self):
+        from llmpipe.deadletter import DeadLetters
+
+        return DeadLetters(self.redis, ttl_s=self.settings.deadletter_ttl_s, max_entries=self.settings.deadletter_max_entries)
 
     @cached_property
     def tokenizer_owner(self):
@@ -95,6 +112,7 @@ class WorkerContext:
                         engine, window_s=s.batch_window_ms / 1000.0, max_size=s.max_batch_size,
                         company_expected=_queue_probe(self.redis, "inference"), on_batch=on_batch,
                         publisher=self._publisher, cancelled_jobs=lambda ids: cancel.cancelled(self.redis, ids),
+                        on_engine_dead=engine_died,
                     )
                     self._cancel_listener = cancel.CancelListener(self.redis, proc.cancel)
                     threading.Thread(target=_sample_engine, args=(proc,), name="llmpipe-engine-stats", daemon=True).start()
@@ -132,6 +150,33 @@ def _sample_engine(proc, every_s: float = 1.0) -> None:
         except Exception:
             log.debug("engine stats failed", exc_info=True)
         time.sleep(every_s)
+
+
+ENGINE_DEAD_EXIT = 70
+
+
+def engine_died(exc: BaseException) -> None:
+    """The engine is gone: hand this worker's messages back to the queue and exit non-zero.
+
+    Every message this process reserved (running or waiting for a thread) is rejected with
+    requeue, so another inference worker (or this one, restarted by its supervisor) takes
+    them at once instead of after the visibility timeout. Nothing is acked; nothing waits
+    on the dead engine, so the worker never hangs."""
+    from celery.worker import state
+
+    log.critical("engine died (%s: %s): requeueing this worker's messages and exiting with %d",
+                 type(exc).__name__, exc, ENGINE_DEAD_EXIT)
+    requeued = 0
+    for req in list(state.reserved_requests):
+        try:
+            req.reject(requeue=True)
+            requeued += 1
+        except Exception:  # the visibility timeout brings it back anyway
+            log.warning("could not requeue %s", getattr(req, "id", "?"), exc_info=True)
+    print(f"llmpipe: engine died ({type(exc).__name__}: {exc}); requeued {requeued} messages; exiting "
+          f"with {ENGINE_DEAD_EXIT}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(ENGINE_DEAD_EXIT)
 
 
 def _queue_probe(r: redis.Redis, queue: str):

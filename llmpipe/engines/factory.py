@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from llmpipe.engines.base import Engine
 from llmpipe.settings import EngineKind, Settings
 
@@ -15,7 +17,19 @@ def _model_path(settings: Settings, model_path: str | None) -> str:
 
 
 def create_engine(settings: Settings, model_path: str | None = None) -> Engine:
-    """A new engine for ``settings``; the model is resolved (built, converted) when needed."""
+    """A new engine for ``settings``; the model is resolved (built, converted) when needed.
+
+    Tests only: with LLMPIPE_FAULT_INJECT set, the engine is wrapped to fail on purpose
+    (llmpipe/engines/faulty.py)."""
+    engine = _create_engine(settings, model_path)
+    if os.environ.get("LLMPIPE_FAULT_INJECT"):
+        from llmpipe.engines.faulty import wrap_from_env
+
+        engine = wrap_from_env(engine, settings, model_path)
+    return engine
+
+
+def _create_engine(settings: Settings, model_path: str | None) -> Engine:
     kind = EngineKind(settings.engine)
     if kind is EngineKind.VLLM:
         from llmpipe.engines.vllm_engine import VllmEngine
@@ -45,5 +59,11 @@ def create_engine(settings: Settings, model_path: str | None = None) -> Engine:
     if kind is EngineKind.SIMULATED:
         from llmpipe.engines.simulated import SimulatedGpuCost, SimulatedGpuEngine
 
-        return SimulatedGpuEngine(SimulatedGpuCost(max_batch_size=settings.max_batch_size), max_model_len=settings.max_model_len)
+        cost = SimulatedGpuCost(
+            prefill_s_per_token=settings.sim_prefill_ms_per_token / 1000.0,
+            step_base_s=settings.sim_step_ms / 1000.0,
+            step_per_seq_s=settings.sim_step_ms_per_seq / 1000.0,
+            max_batch_size=settings.max_batch_size,
+        )
+        return SimulatedGpuEngine(cost, max_model_len=settings.max_model_len)
     raise ValueError(f"unknown engine {settings.engine!r}")  # pragma: no cover - EngineKind is closed

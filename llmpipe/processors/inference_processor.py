@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from llmpipe.batching import Batcher
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest
-from llmpipe.errors import CancelledError, ExpiredError
+from llmpipe.errors import CancelledError, EngineDeadError, ExpiredError
 from llmpipe.isolation import run_isolated
 from llmpipe.messages import ErrorReason, FinishReason, Generation, Stage, StageError, TokenizedRequest
 from llmpipe.processors.envelope import WallClock, run_stage
@@ -46,9 +46,13 @@ class InferenceProcessor:
         publisher=None,
         cancelled_jobs: Callable[[Iterable[str]], set[str]] | None = None,
         retry_attempts: int = 3,
+        on_engine_dead: Callable[[BaseException], None] | None = None,
         clock: WallClock = time.time,
     ):
         self.engine = engine
+        # Called on the batch thread when the engine is gone (EngineDeadError), before any
+        # request hears of it: the worker requeues its messages and exits (workers/context.py).
+        self._on_engine_dead = on_engine_dead
         self._clock = clock
         self._publisher = publisher
         self._cancelled_jobs = cancelled_jobs
@@ -97,7 +101,7 @@ class InferenceProcessor:
             job_id=req.job_id, index=req.index, deadline=req.deadline, enqueued_at=req.enqueued_at,
             prompt_tokens=len(req.prompt_token_ids), output_token_ids=out.token_ids,
             finish_reason=out.finish_reason, batch_size=done.batch_size,
-            engine_time_s=done.engine_time_s, first_token_at=out.first_token_at,
+            engine_time_s=done.engine_time_s, first_token_at=out.first_token_at, stop=req.params.stop,
         )
 
     def _run_batch(self, batch: list[TokenizedRequest]) -> list[_Done | Exception]:
@@ -125,6 +129,11 @@ class InferenceProcessor:
                     [EngineRequest(r.request_id, r.prompt_token_ids, r.params) for _, r in live],
                     attempts=self._attempts,
                 )
+            except EngineDeadError as exc:
+                log.critical("the engine died running a batch of %d: %s", len(live), exc)
+                if self._on_engine_dead is not None:
+                    self._on_engine_dead(exc)
+                raise
             finally:
                 with self._lock:
                     for _, r in live:

@@ -25,6 +25,8 @@ class InputProcessor:
             if not req.messages:
                 raise BadRequestError("messages must not be empty", param="messages")
             convo = [m.model_dump() for m in req.messages]
+            if not self.allow_special_tokens and any(self._holds_special(m["content"]) for m in convo):
+                return self._chat_ids_with_text_contents(convo)
             ids = self.tokenizer.apply_chat_template(convo, add_generation_prompt=True, tokenize=True, return_dict=False)
             if isinstance(ids, dict) or hasattr(ids, "keys"):
                 ids = ids["input_ids"]
@@ -35,6 +37,42 @@ class InputProcessor:
         # Special tokens written as text (e.g. "<|im_end|>") stay text unless allowed.
         enc = self.tokenizer(req.prompt, add_special_tokens=True, split_special_tokens=not self.allow_special_tokens)
         return list(enc["input_ids"])
+
+    def _holds_special(self, text: str) -> bool:
+        specials = getattr(self, "_specials", None)
+        if specials is None:
+            names = set(getattr(self.tokenizer, "all_special_tokens", []) or [])
+            for tok in (getattr(self.tokenizer, "added_tokens_decoder", {}) or {}).values():
+                if getattr(tok, "special", False):
+                    names.add(str(tok))
+            specials = self._specials = tuple(t for t in names if t)
+        return any(t in text for t in specials)
+
+    def _chat_ids_with_text_contents(self, convo: list[dict]) -> list[int]:
+        """The chat template's own markup becomes control tokens; message contents never do.
+
+        A user writing "<|im_end|>" in a message must not close their turn and open another
+        (prompt injection into the chat structure). The template is rendered with a
+        placeholder per content, then the markup between placeholders is tokenized with
+        special tokens parsed and each content with them split into plain text."""
+        marks = [f"\x00llmpipe-content-{i}\x00" for i in range(len(convo))]
+        rendered = self.tokenizer.apply_chat_template(
+            [{**m, "content": mark} for m, mark in zip(convo, marks, strict=True)],
+            add_generation_prompt=True, tokenize=False)
+        ids: list[int] = []
+        rest = rendered
+        for m, mark in zip(convo, marks, strict=True):
+            head, sep, rest = rest.partition(mark)
+            if not sep:  # the template changed the content: refuse rather than guess
+                raise BadRequestError("message content holds special-token text that this model's chat template "
+                                      "cannot keep as plain text", param="messages")
+            ids += self._encode(head, split_special=False) + self._encode(m["content"], split_special=True)
+        return ids + self._encode(rest, split_special=False)
+
+    def _encode(self, text: str, *, split_special: bool) -> list[int]:
+        if not text:
+            return []
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=split_special)["input_ids"])
 
     def _tokenize(self, req: PromptRequest) -> TokenizedRequest:
         ids = self.token_ids(req)

@@ -20,9 +20,12 @@ class OutputProcessor:
     def process(self, gen: Generation) -> PromptResult:
         text = ""
 
+        stopped = False
+
         def detokenize(g: Generation) -> Generation:
-            nonlocal text
+            nonlocal text, stopped
             text = self.tokenizer.decode(g.output_token_ids, skip_special_tokens=True)
+            text, stopped = apply_stop_strings(text, g.stop)
             return g.model_copy()
 
         done = run_stage(Stage.POSTPROCESS, gen, detokenize, self._failed, self._clock)
@@ -32,7 +35,7 @@ class OutputProcessor:
             token_ids=done.output_token_ids if done.error is None else [],
             prompt_tokens=done.prompt_tokens,
             completion_tokens=len(done.output_token_ids) if done.error is None else 0,
-            finish_reason=done.finish_reason if done.error is None else _finish_for(done.error),
+            finish_reason=(FinishReason.STOP if stopped else done.finish_reason) if done.error is None else _finish_for(done.error),
             timings={t.stage: StageTimingSummary(queue_wait_s=t.queue_wait_s, run_s=t.run_s) for t in done.timings},
             batch_size=done.batch_size,
             engine_time_s=done.engine_time_s,
@@ -53,6 +56,12 @@ class OutputProcessor:
             result.prompt_tokens, result.completion_tokens, result.batch_size,
             f" error={result.error.reason.value}" if result.error else "",
         )
+
+
+def apply_stop_strings(text: str, stop: list[str]) -> tuple[str, bool]:
+    """Cut ``text`` at the earliest stop string, as the OpenAI API does."""
+    cut = min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
 
 
 def _finish_for(error: StageError) -> FinishReason:

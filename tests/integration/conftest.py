@@ -34,3 +34,18 @@ def pipeline(request, tmp_path_factory, redis_server, tiny_model):
     p = start_pipeline(tmp_path_factory.mktemp(f"pipe-{request.param}"), redis_server.url, tiny_model, request.param)
     yield p
     p.stop(timeout=30)
+
+
+API_KEY = "test-key-1"
+
+
+@pytest.fixture(scope="module")
+def secured_pipeline(tmp_path_factory, redis_server, tiny_model):
+    """vLLM on the tiny model, behind API keys."""
+    import redis
+
+    redis.Redis.from_url(redis_server.url).flushdb()
+    p = start_pipeline(tmp_path_factory.mktemp("pipe-secured"), redis_server.url, tiny_model, "vllm",
+                       api_keys=f"{API_KEY},other-key")
+    yield p
+    p.stop(timeout=30)

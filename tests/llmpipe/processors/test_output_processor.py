@@ -39,3 +39,15 @@ def test_failed_generation_keeps_its_error(tiny_tokenizer):
 def test_expired_maps_to_expired_finish(tiny_tokenizer):
     res = OutputProcessor(tiny_tokenizer, clock=lambda: 3000.0).process(_gen(tiny_tokenizer))
     assert res.error.reason == ErrorReason.EXPIRED and res.finish_reason == FinishReason.EXPIRED
+
+
+def test_stop_strings_cut_the_text_and_finish_with_stop(tiny_tokenizer):
+    res = OutputProcessor(tiny_tokenizer, clock=lambda: 1001.0).process(_gen(tiny_tokenizer, stop=["is", "zzz"]))
+    assert res.text == "Par" and res.finish_reason == FinishReason.STOP  # "Par|is" holds the first stop
+
+
+def test_apply_stop_strings_picks_the_earliest():
+    from llmpipe.processors.output_processor import apply_stop_strings
+
+    assert apply_stop_strings("abc def ghi", ["ghi", "def"]) == ("abc ", True)
+    assert apply_stop_strings("abc", ["x", ""]) == ("abc", False)

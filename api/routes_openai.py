@@ -1,0 +1,147 @@
+"""OpenAI-compatible endpoints on the same three-stage pipeline."""
+
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as aioredis
+from fastapi import APIRouter
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from api.detok import Detokenizer
+from api.errors import ERROR_RESPONSES
+from api.jobs import JobService
+from api.openai_schemas import (
+    AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
+    CompletionRequest, CompletionResponse, ModelCard, ModelList, UsageOut,
+)
+from api.routes_jobs import wait_view
+from api.schemas import ErrorResponse, JobView
+from api.sse import stream_job
+from api.waiter import JobWaiter
+from llmpipe.errors import (
+    BadRequestError, CancelledError, ContextLengthError, EngineError, ExpiredError, LlmpipeError, NotFoundError,
+)
+from llmpipe.messages import ErrorReason, JobStatus
+from llmpipe.settings import Settings
+
+_ERRS = {c: {"model": ErrorResponse, **ERROR_RESPONSES[c]} for c in (400, 404, 429)}
+_BY_REASON: dict[ErrorReason, type[LlmpipeError]] = {
+    ErrorReason.CONTEXT_LENGTH_EXCEEDED: ContextLengthError, ErrorReason.INVALID_REQUEST: BadRequestError,
+    ErrorReason.EXPIRED: ExpiredError, ErrorReason.CANCELLED: CancelledError, ErrorReason.ENGINE_ERROR: EngineError,
+}
+
+
+def raise_for(view: JobView) -> None:
+    if view.status == JobStatus.SUCCEEDED:
+        return
+    err = view.error
+    reason = err.type if err else ErrorReason.EXPIRED if view.status == JobStatus.EXPIRED else ErrorReason.INTERNAL
+    cls = _BY_REASON.get(reason, LlmpipeError)
+    raise cls(err.message if err else f"job {view.status.value}")
+
+
+def _usage(view: JobView) -> UsageOut:
+    u = view.result.usage
+    return UsageOut(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, total_tokens=u.total_tokens)
+
+
+def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: Detokenizer) -> APIRouter:
+    rt = APIRouter(prefix="/v1", tags=["openai"])
+    served = settings.model
+    aredis = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2)
+
+    def check_model(name: str | None) -> str:
+        if name is None or name == served or name.rstrip("/").split("/")[-1] == served.rstrip("/").split("/")[-1]:
+            return served
+        raise NotFoundError(f"model {name!r} is not served here; this server serves {served!r}", param="model")
+
+    def limits(n: int, max_tokens: int) -> None:
+        if n > settings.max_n:
+            raise BadRequestError(f"n may be at most {settings.max_n} (max_n); got {n}", param="n")
+
+    async def run(inputs, params_for, n, stream, timeout, build, chunk, first, stops, include_usage):
+        """Submit ``n`` choices per input as one job; answer as JSON or as SSE."""
+        job_inputs = [inp for inp in inputs for _ in range(n)]
+        params = [params_for(k) for _ in inputs for k in range(n)]
+        job_id = await run_in_threadpool(
+            service.submit_inputs, job_inputs, params, timeout=timeout, stream=stream, kind="openai")
+        rec = await run_in_threadpool(service.record, job_id)
+        if stream:
+            def usage_chunk(view: JobView) -> dict:
+                return {**chunk(job_id, 0, "", None), "choices": [], "usage": _usage(view).model_dump()}
+
+            gen = stream_job(
+                job_id=job_id, n_choices=len(job_inputs), stops=stops, service=service, waiter=waiter, aredis=aredis,
+                detok=detok, chunk=lambda i, t, f: chunk(job_id, i, t, f), first=first(job_id),
+                usage_chunk=usage_chunk if include_usage else None, deadline=rec.deadline,
+                on_abandon=lambda: service.cancel(job_id))
+            return StreamingResponse(gen, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        view = await wait_view(service, waiter, job_id, max(0.1, rec.deadline - time.time() + 2))
+        if not view.status.terminal:
+            await run_in_threadpool(service.cancel, job_id)
+            raise ExpiredError("the request passed its deadline")
+        raise_for(view)
+        return build(job_id, view)
+
+    @rt.get("/models", response_model=ModelList)
+    def models() -> ModelList:
+        """The one model this pipeline serves."""
+        return ModelList(data=[ModelCard(id=served)])
+
+    @rt.post("/completions", response_model=CompletionResponse, responses=_ERRS)
+    async def completions(req: CompletionRequest):
+        """OpenAI completions; ``stream: true`` answers with server-sent events."""
+        model = check_model(req.model)
+        if req.echo or req.logprobs is not None:
+            raise BadRequestError("echo and logprobs are not supported", param="echo" if req.echo else "logprobs")
+        max_tokens = req.max_tokens or 16
+        limits(req.n, max_tokens)
+
+        def chunk(job_id, i, text, finish):
+            return {"id": f"cmpl-{job_id}", "object": "text_completion", "created": int(time.time()), "model": model,
+                    "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+        def build(job_id, view):
+            return CompletionResponse(id=f"cmpl-{job_id}", model=model, usage=_usage(view), choices=[
+                CompletionChoice(index=r.index, text=r.text, finish_reason=r.finish_reason.value) for r in view.result.results])
+
+        return await run([{"prompt": p} for p in req.prompts()], lambda k: req.sampling(max_tokens, k), req.n,
+                         req.stream, req.timeout, build, chunk, lambda job_id: [], req.stops(),
+                         bool(req.stream_options and req.stream_options.include_usage))
+
+    @rt.post("/chat/completions", response_model=ChatCompletionResponse, responses=_ERRS)
+    async def chat_completions(req: ChatCompletionRequest):
+        """OpenAI chat completions with the model's chat template; ``stream: true`` answers with SSE."""
+        model = check_model(req.model)
+        if req.logprobs:
+            raise BadRequestError("logprobs are not supported", param="logprobs")
+        max_tokens = req.max_completion_tokens or req.max_tokens or settings.default_max_tokens
+        limits(req.n, max_tokens)
+
+        def chunk(job_id, i, text, finish):
+            delta = {"content": text} if text or finish is None else {}
+            return {"id": f"chatcmpl-{job_id}", "object": "chat.completion.chunk", "created": int(time.time()),
+                    "model": model, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+        def first(job_id):
+            out = []
+            for i in range(req.n):
+                c = chunk(job_id, i, "", None)
+                c["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+                out.append(c)
+            return out
+
+        def build(job_id, view):
+            return ChatCompletionResponse(id=f"chatcmpl-{job_id}", model=model, usage=_usage(view), choices=[
+                ChatChoice(index=r.index, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason.value)
+                for r in view.result.results])
+
+        messages = [m.to_message() for m in req.messages]
+        return await run([{"messages": messages}], lambda k: req.sampling(max_tokens, k), req.n, req.stream,
+                         req.timeout, build, chunk, first, req.stops(),
+                         bool(req.stream_options and req.stream_options.include_usage))
+
+    return rt

@@ -1,0 +1,66 @@
+"""Bearer-key auth and the request body size limit."""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from api.errors import error_json
+from llmpipe.messages import ErrorReason
+
+_bearer = HTTPBearer(auto_error=False, description="One of LLMPIPE_API_KEYS, when set.")
+
+
+def require_key(keys: frozenset[str]):
+    async def check(request: Request) -> None:
+        if not keys:
+            return
+        cred: HTTPAuthorizationCredentials | None = await _bearer(request)
+        if cred is None:
+            raise HTTPException(401, "missing API key: send 'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"})
+        if not any(hmac.compare_digest(cred.credentials, k) for k in keys):
+            raise HTTPException(403, "invalid API key")
+
+    return check
+
+
+class BodyLimit:
+    """Rejects bodies over ``max_bytes`` with 413, by Content-Length or while streaming."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                return await self._reject(scope, receive, send)
+        seen = 0
+
+        async def limited() -> dict:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge
+            return msg
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await self._reject(scope, receive, send)
+
+    async def _reject(self, scope, receive, send) -> None:
+        resp = error_json(413, ErrorReason.LIMIT_EXCEEDED, f"request body is over {self.max_bytes} bytes (max_body_bytes)")
+        await resp(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass

@@ -1,0 +1,254 @@
+"""The load generator: async httpx clients, closed loop (N concurrent clients) or open loop
+(Poisson arrivals at a rate).
+
+Latency is the same for every mode: from sending the request to having the whole result
+(the last byte of the final ``GET /v1/jobs/{id}?wait=`` answer, or the end of the
+``/v1/completions`` stream). Two client protocols:
+
+* ``jobs``: ``POST /v1/jobs`` then ``GET status_url?wait=60`` until the job is terminal
+  (the pipeline's API and the serial server). The result's per-prompt ``timings``,
+  ``batch_size`` and ``engine_time_s`` give each request's engine interval.
+* ``openai``: ``POST /v1/completions`` with ``stream: true`` (``vllm serve``, and the
+  pipeline once it has the endpoint); the first chunk with text gives the TTFT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+TERMINAL = {"succeeded", "failed", "expired", "cancelled"}
+
+
+@dataclass
+class Sample:
+    i: int
+    start: float  # epoch seconds when the request was sent
+    latency_s: float = 0.0
+    ok: bool = False
+    error: str | None = None
+    ttft_s: float | None = None
+    completion_tokens: int = 0
+    batch_size: int | None = None
+    engine_time_s: float | None = None
+    engine_interval: tuple[float, float] | None = None  # epoch seconds, from the server's timings
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def end(self) -> float:
+        return self.start + self.latency_s
+
+
+def engine_interval(created_at: float, timings: dict, engine_time_s: float) -> tuple[float, float] | None:
+    """When the engine ran this request, from the stage timings of a result.
+
+    The job's ``created_at`` is when the first stage was enqueued; the stages follow each
+    other (each one's enqueue time is the previous one's finish), so the inference stage
+    ends at created_at + preprocess (wait + run) + inference (wait + run), and the engine
+    ran for ``engine_time_s`` before that.
+    """
+    try:
+        end = created_at
+        for stage in ("preprocess", "inference"):
+            end += timings[stage]["queue_wait_s"] + timings[stage]["run_s"]
+    except (KeyError, TypeError):
+        return None
+    return (end - engine_time_s, end)
+
+
+class JobsClient:
+    protocol = "jobs"
+
+    def __init__(self, base_url: str, max_tokens: int, *, job_timeout_s: float = 600.0):
+        self.base = base_url.rstrip("/")
+        self.max_tokens = max_tokens
+        self.job_timeout_s = job_timeout_s
+
+    def body(self, prompt: str) -> dict:
+        return {"prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0.0, "ignore_eos": True,
+                "timeout": self.job_timeout_s}
+
+    async def request(self, http: httpx.AsyncClient, s: Sample, prompt: str) -> None:
+        r = await http.post(f"{self.base}/v1/jobs", json=self.body(prompt))
+        if r.status_code != 202:
+            s.error = f"POST {r.status_code}: {r.text[:200]}"
+            return
+        url = self.base + r.json()["status_url"]
+        while True:
+            r = await http.get(url, params={"wait": 60})
+            if r.status_code != 200:
+                s.error = f"GET {r.status_code}: {r.text[:200]}"
+                return
+            view = r.json()
+            if view.get("status") in TERMINAL:
+                break
+        if view["status"] != "succeeded" or not view.get("result"):
+            s.error = f"job {view['status']}: {(view.get('error') or {}).get('message', '')[:200]}"
+            return
+        s.ok = True
+        apply_view(s, view)
+        s.completion_tokens = int(view["result"]["results"][0].get("completion_tokens", 0))
+
+
+def apply_view(s: Sample, view: dict) -> None:
+    """Take the server-side figures of a finished job: batch size, engine time and interval."""
+    res = ((view.get("result") or {}).get("results") or [None])[0]
+    if not res:
+        return
+    s.batch_size = res.get("batch_size")
+    s.engine_time_s = res.get("engine_time_s")
+    if s.engine_time_s is not None:
+        s.engine_interval = engine_interval(view["created_at"], res.get("timings") or {}, s.engine_time_s)
+    s.extra["timings"] = res.get("timings")
+
+
+async def enrich(base_url: str, samples: list[Sample], concurrency: int = 8) -> int:
+    """After a load point on the OpenAI endpoint of a server that also has the job API (the
+    pipeline, the serial server): read each request's job for its server-side figures.
+    Runs after the measurement, so it adds no load to it. Returns how many it got."""
+    todo = [s for s in samples if s.ok and s.extra.get("job_id")]
+    sem = asyncio.Semaphore(concurrency)
+    got = 0
+
+    async def one(http: httpx.AsyncClient, s: Sample) -> None:
+        nonlocal got
+        async with sem:
+            try:
+                r = await http.get(f"{base_url.rstrip('/')}/v1/jobs/{s.extra['job_id']}")
+            except httpx.HTTPError:
+                return
+        if r.status_code == 200:
+            apply_view(s, r.json())
+            got += s.engine_time_s is not None
+
+    async with http_client(concurrency) as http:
+        await asyncio.gather(*(one(http, s) for s in todo))
+    return got
+
+
+class OpenAIClient:
+    protocol = "openai"
+
+    def __init__(self, base_url: str, max_tokens: int, model: str, *, stream: bool = True):
+        self.base = base_url.rstrip("/")
+        self.max_tokens = max_tokens
+        self.model = model
+        self.stream = stream
+
+    def body(self, prompt: str) -> dict:
+        b = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0.0,
+             "ignore_eos": True, "stream": self.stream}
+        if self.stream:
+            b["stream_options"] = {"include_usage": True}
+        return b
+
+    async def request(self, http: httpx.AsyncClient, s: Sample, prompt: str) -> None:
+        t0 = time.perf_counter()
+        if not self.stream:
+            r = await http.post(f"{self.base}/v1/completions", json=self.body(prompt))
+            if r.status_code != 200:
+                s.error = f"POST {r.status_code}: {r.text[:200]}"
+                return
+            s.completion_tokens = int((r.json().get("usage") or {}).get("completion_tokens", 0))
+            s.ok = True
+            return
+        chunks = 0
+        usage = None
+        async with http.stream("POST", f"{self.base}/v1/completions", json=self.body(prompt)) as r:
+            if r.status_code != 200:
+                s.error = f"POST {r.status_code}: {(await r.aread())[:200]!r}"
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "job_id" not in s.extra and str(chunk.get("id", "")).startswith("cmpl-"):
+                    s.extra["job_id"] = chunk["id"].removeprefix("cmpl-")
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                if any(c.get("text") for c in chunk.get("choices") or ()):
+                    chunks += 1
+                    if s.ttft_s is None:
+                        s.ttft_s = time.perf_counter() - t0
+        s.completion_tokens = int(usage["completion_tokens"]) if usage else chunks
+        s.ok = True
+
+
+Client = JobsClient | OpenAIClient
+
+
+async def _one(client: Client, http: httpx.AsyncClient, i: int, prompt: str) -> Sample:
+    s = Sample(i=i, start=time.time())
+    t0 = time.perf_counter()
+    try:
+        await client.request(http, s, prompt)
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        s.ok, s.error = False, f"{type(e).__name__}: {e}"[:300]
+    s.latency_s = time.perf_counter() - t0
+    return s
+
+
+def http_client(max_connections: int) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=30.0, read=900.0, write=30.0, pool=900.0),
+        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+    )
+
+
+async def run_load(
+    client: Client,
+    prompts: list[str],
+    *,
+    requests: int,
+    concurrency: int | None = None,
+    rate: float | None = None,
+    duration_s: float | None = None,
+    seed: int = 0,
+    on_done: Callable[[Sample], None] | None = None,
+) -> list[Sample]:
+    """Send ``requests`` requests (or as many as fit in ``duration_s``), closed loop with
+    ``concurrency`` clients or open loop at ``rate`` requests/s; samples in issue order."""
+    if (concurrency is None) == (rate is None):
+        raise ValueError("give exactly one of concurrency or rate")
+    deadline = time.monotonic() + duration_s if duration_s else None
+    limit = requests if not deadline else 10**9
+    samples: list[Sample] = []
+
+    def more(i: int) -> bool:
+        return i < limit and (deadline is None or time.monotonic() < deadline)
+
+    async def one(i: int) -> None:
+        s = await _one(client, http, i, prompts[i % len(prompts)])
+        samples.append(s)
+        if on_done is not None:
+            on_done(s)
+
+    async with http_client(max(16, 2 * (concurrency or 256))) as http:
+        if concurrency is not None:
+            counter = itertools.count()
+
+            async def worker() -> None:
+                while more(i := next(counter)):
+                    await one(i)
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+        else:
+            rng = random.Random(seed)
+            tasks = []
+            for i in itertools.count():
+                if not more(i):
+                    break
+                tasks.append(asyncio.create_task(one(i)))
+                await asyncio.sleep(rng.expovariate(rate))
+            await asyncio.gather(*tasks)
+    return sorted(samples, key=lambda s: s.i)

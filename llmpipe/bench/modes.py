@@ -1,0 +1,163 @@
+"""The serving modes the benchmark compares, and how each one's servers start and stop.
+
+Every mode is real processes on loopback: the serial server, a whole LocalPipeline
+(workers + API, on the bench's own embedded Redis), or ``vllm serve``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from llmpipe.redis_server import free_port
+from llmpipe.settings import EngineKind, Settings
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    kind: str  # "serial" | "pipeline" | "vllm-serve"
+    window_ms: float = 0.0
+    batched: bool = True  # False: max batch 1
+    about: str = ""
+
+
+MODES: dict[str, Mode] = {m.name: m for m in [
+    Mode("serial", "serial", 0, False, "one process tokenizes, generates and detokenizes one request at a time"),
+    Mode("pipeline-nobatch", "pipeline", 0, False, "the Celery pipeline, max batch 1"),
+    Mode("pipeline-window0", "pipeline", 0, True, "the pipeline, batching window 0 ms (batches form only while the engine is busy)"),
+    Mode("pipeline-window50", "pipeline", 50, True, "the pipeline, dynamic batching with a 50 ms window"),
+    Mode("pipeline-continuous", "pipeline", 0, True, "the pipeline, requests go to vLLM at once and join its running batch (continuous batching)"),
+    Mode("vllm-serve", "vllm-serve", 0, True, "vLLM's own OpenAI server on the same model"),
+]}
+
+
+@dataclass
+class EngineSetup:
+    """One engine of the run and what its servers need."""
+
+    key: str  # "simulated" | "noop" | "real"
+    kind: EngineKind
+    label: str  # shown in every output; "SIMULATED" for the simulated engine
+    model_path: str
+    max_model_len: int
+    max_batch: int = 32
+    cpu_workers: int = 2
+    sim: dict = field(default_factory=dict)  # sim_* Settings fields
+
+    @property
+    def burns(self) -> bool:
+        return self.sim.get("sim_preprocess_cpu_ms", 0) > 0 or self.sim.get("sim_postprocess_cpu_ms", 0) > 0
+
+    def settings(self, mode: Mode, redis_url: str, state_dir: Path) -> Settings:
+        return Settings(
+            redis_url=redis_url, model=self.model_path, engine=self.kind, state_dir=state_dir, api_port=free_port(),
+            batch_window_ms=mode.window_ms, max_batch_size=self.max_batch if mode.batched else 1,
+            max_model_len=self.max_model_len, kv_cache_gib=1.0, cpu_workers=self.cpu_workers,
+            default_timeout_s=600.0, max_timeout_s=600.0, max_queue_depth=0, max_queued_prompt_tokens=0,
+            max_prompt_chars=1_000_000, **self.sim,
+        )
+
+
+@dataclass
+class Server:
+    mode: Mode
+    url: str
+    protocols: tuple[str, ...]
+    groups: dict[str, list[int]]  # CPU groups: name -> root pids
+    log_dir: Path
+    settings: Settings | None = None
+    _stop: object = None
+
+    def stop(self) -> None:
+        if self._stop is not None:
+            self._stop()
+            self._stop = None
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+BASE_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "VLLM_HOST_IP": "127.0.0.1",
+            "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def _wait_http(url: str, sup, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        dead = sup.exited()
+        if dead:
+            last = next((ln for ln in reversed(dead[0].tail) if ln.strip()), "")
+            raise ServerError(f"{what} exited with code {dead[0].proc.returncode}: {last[:300]} (log: {dead[0].log_path})")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise ServerError(f"{what} not ready after {timeout:.0f}s (logs in {sup.log_dir})")
+
+
+def has_completions_endpoint() -> bool:
+    """Whether the pipeline's API has POST /v1/completions (OpenAI-style, streaming)."""
+    try:
+        from api.app import create_app
+
+        app = create_app(Settings(redis_url="redis://127.0.0.1:1/0"))
+        return any(getattr(r, "path", None) == "/v1/completions" for r in app.routes)
+    except Exception:
+        return False
+
+
+def start_server(mode: Mode, eng: EngineSetup, redis_url: str, log_dir: Path, *, ready_timeout: float = 900.0,
+                 console=None) -> Server:
+    from llmpipe.local import LocalPipeline, settings_env
+    from llmpipe.supervisor import Supervisor, python_env
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    s = eng.settings(mode, redis_url, log_dir / "state")
+    env = dict(BASE_ENV)
+    if mode.kind == "pipeline":
+        if eng.burns:
+            from llmpipe.bench.burn import LOADER
+
+            env["CELERY_LOADER"] = LOADER
+        p = LocalPipeline(s, flower=False, echo=False, console=console, extra_env=env, log_dir=log_dir).start()
+        try:
+            p.wait_ready(timeout=ready_timeout)
+        except Exception as e:
+            p.stop(timeout=10)
+            raise ServerError(str(e)) from e
+        groups = {c.name: [c.proc.pid] for c in p.sup.children}
+        protocols = ("jobs", "openai") if has_completions_endpoint() else ("jobs",)
+        return Server(mode, p.api_url, protocols, groups, log_dir, s, lambda: p.stop(timeout=30))
+
+    sup = Supervisor(log_dir, console=console, echo=False)
+    port = free_port()
+    if mode.kind == "serial":
+        argv = [sys.executable, "-m", "llmpipe.bench.serial_server", "--port", str(port)]
+        child = sup.spawn("serial", argv, python_env({**settings_env(s), **env}))
+        protocols, probe = ("jobs", "openai"), "/healthz"
+    elif mode.kind == "vllm-serve":
+        if eng.kind is not EngineKind.VLLM:
+            raise ServerError("vllm-serve runs only with the vLLM engine")
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", eng.model_path,
+                "--host", "127.0.0.1", "--port", str(port),
+                "--enforce-eager", "--dtype", s.dtype, "--max-model-len", str(eng.max_model_len),
+                "--max-num-seqs", str(eng.max_batch), "--seed", "0"]
+        child = sup.spawn("vllm-serve", argv, python_env(env))
+        protocols, probe = ("openai",), "/v1/models"
+    else:
+        raise ServerError(f"unknown mode kind {mode.kind}")
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_http(url + probe, sup, ready_timeout, mode.name)
+    except Exception:
+        sup.stop(timeout=10)
+        raise
+    return Server(mode, url, protocols, {mode.kind: [child.proc.pid]}, log_dir, s, lambda: sup.stop(timeout=30))

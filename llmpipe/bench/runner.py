@@ -1,0 +1,167 @@
+"""Runs the plan: for each engine, each mode's servers start, warm up, take every load point
+(closed loop at a concurrency or open loop at a rate), and stop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from llmpipe.bench.cpu import CpuSampler, redis_delta, redis_snapshot, self_pid
+from llmpipe.bench.loadgen import JobsClient, OpenAIClient, enrich, run_load
+from llmpipe.bench.modes import MODES, EngineSetup, Server, start_server
+from llmpipe.bench.stats import cdf_points, summarize
+
+
+@dataclass(frozen=True)
+class Load:
+    concurrency: int | None = None
+    rate: float | None = None
+    requests: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"c={self.concurrency}" if self.concurrency is not None else f"rate={self.rate:g}/s"
+
+    @property
+    def warmup(self) -> int:
+        """Requests left out of the latency figures: a closed loop's initial burst."""
+        if self.concurrency is not None:
+            return min(self.concurrency, self.requests // 2)
+        return max(1, self.requests // 10)
+
+
+@dataclass
+class EnginePlan:
+    setup: EngineSetup
+    prompt_tokens: int
+    max_tokens: int
+    points: list[tuple[str, list[Load]]]  # (mode name, loads) in run order
+    prompts: list[str] = field(default_factory=list)
+    measured_prompt_tokens: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RunConfig:
+    out: Path
+    api: str = "auto"  # auto | jobs | openai
+    duration_s: float | None = None
+    warm_requests: int = 2
+    seed: int = 0
+
+
+def _client(server: Server, plan: EnginePlan, api: str):
+    if server.mode.kind == "vllm-serve" or api == "openai":
+        if "openai" not in server.protocols:
+            raise RuntimeError(f"{server.mode.name} has no /v1/completions endpoint (try --api jobs)")
+        return OpenAIClient(server.url, plan.max_tokens, plan.setup.model_path)
+    return JobsClient(server.url, plan.max_tokens)
+
+
+def _pick_api(plans: list[EnginePlan], api: str) -> str:
+    """auto: the OpenAI streaming endpoint (as for `vllm serve`, and with TTFT) when the
+    pipeline's API has /v1/completions, else the job API; the serial server speaks both,
+    so every mode of a run is driven the same way."""
+    if api != "auto":
+        return api
+    from llmpipe.bench.modes import has_completions_endpoint
+
+    return "openai" if has_completions_endpoint() else "jobs"
+
+
+def run_plans(plans: list[EnginePlan], cfg: RunConfig, redis_url: str, console: Console) -> list[dict]:
+    api = _pick_api(plans, cfg.api)
+    rows: list[dict] = []
+    r = redis.Redis.from_url(redis_url)
+    total_points = sum(len(loads) for p in plans for _, loads in p.points)
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        console=console, transient=False)
+    with progress:
+        overall = progress.add_task("bench", total=total_points)
+        for plan in plans:
+            for mode_name, loads in plan.points:
+                mode = MODES[mode_name]
+                tag = f"{plan.setup.key}/{mode_name}"
+                step = progress.add_task(f"{tag}: starting", total=None)
+                r.flushdb()
+                t_start = time.monotonic()
+                try:
+                    server = start_server(mode, plan.setup, redis_url, cfg.out / "logs" / f"{plan.setup.key}-{mode_name}",
+                                          console=console)
+                except Exception as e:
+                    console.print(f"[red]{tag}: could not start: {e}[/]")
+                    for load in loads:
+                        rows.append(_row(plan, mode_name, load, error=f"start failed: {e}"))
+                        progress.advance(overall)
+                    progress.remove_task(step)
+                    continue
+                startup_s = time.monotonic() - t_start
+                try:
+                    client = _client(server, plan, api)
+                    progress.update(step, description=f"{tag}: warm-up")
+                    asyncio.run(run_load(client, plan.prompts[-cfg.warm_requests:], requests=cfg.warm_requests,
+                                         concurrency=1))
+                    base = 0
+                    for load in loads:
+                        progress.update(step, description=f"{tag} {load.label}", total=load.requests or None, completed=0)
+                        row = _measure(plan, server, client, load, cfg, r, base, progress, step)
+                        row["startup_s"] = startup_s
+                        rows.append(row)
+                        base += row["requests"]
+                        progress.advance(overall)
+                        lat = row["summary"]["latency_s"]["p50"]
+                        console.print(f"{tag} {load.label}: {row['summary']['throughput_rps']:.2f} req/s, "
+                                      f"p50 {lat * 1000 if lat else float('nan'):.0f} ms, errors {row['summary']['errors']}")
+                except Exception as e:
+                    console.print(f"[red]{tag}: failed: {e}[/]")
+                    console.print(traceback.format_exc(limit=3), markup=False)
+                    done = {(x["engine"], x["mode"], x["load"]) for x in rows}
+                    for load in loads:
+                        if (plan.setup.key, mode_name, load.label) not in done:
+                            rows.append(_row(plan, mode_name, load, error=str(e)))
+                            progress.advance(overall)
+                finally:
+                    progress.update(step, description=f"{tag}: stopping")
+                    server.stop()
+                    progress.remove_task(step)
+    r.close()
+    return rows
+
+
+def _row(plan: EnginePlan, mode: str, load: Load, **kw) -> dict:
+    return {"engine": plan.setup.key, "engine_label": plan.setup.label, "mode": mode, "load": load.label,
+            "concurrency": load.concurrency, "rate": load.rate, **kw}
+
+
+def _measure(plan: EnginePlan, server: Server, client, load: Load, cfg: RunConfig, r: redis.Redis, base: int,
+             progress: Progress, step) -> dict:
+    n = load.requests
+    prompts = plan.prompts[base:] + plan.prompts[:base]  # fresh prompts for each point of a server
+    groups = dict(server.groups)
+    groups["loadgen"] = [self_pid()]
+    rinfo = None
+    if server.mode.kind == "pipeline":
+        rinfo = redis_snapshot(r)
+        pid = r.info("server").get("process_id")
+        if pid:
+            groups["redis"] = [int(pid)]
+    sampler = CpuSampler(groups).start()
+    samples = asyncio.run(run_load(client, prompts, requests=n, concurrency=load.concurrency, rate=load.rate,
+                                   duration_s=cfg.duration_s, seed=cfg.seed,
+                                   on_done=lambda s: progress.advance(step)))
+    cpu = sampler.stop()
+    if client.protocol == "openai" and "jobs" in server.protocols:
+        asyncio.run(enrich(server.url, samples))
+    summary = summarize(samples, load.warmup)
+    row = _row(plan, server.mode.name, load, requests=len(samples), warmup=load.warmup, protocol=client.protocol,
+               summary=summary, cpu=cpu, cdf=cdf_points(samples, load.warmup))
+    if rinfo is not None:
+        row["redis"] = redis_delta(rinfo, redis_snapshot(r), len(samples))
+    return row

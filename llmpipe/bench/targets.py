@@ -1,0 +1,79 @@
+"""The issue's targets, as ratios of figures measured in the same run."""
+
+from __future__ import annotations
+
+
+def _find(rows: list[dict], engine: str, mode: str, load: str | None = None) -> dict | None:
+    ok = [r for r in rows if r["engine"] == engine and r["mode"] == mode and "summary" in r
+          and (load is None or r["load"] == load)]
+    return ok[-1] if ok else None
+
+
+def _loads(rows: list[dict], engine: str, mode: str) -> list[str]:
+    return [r["load"] for r in rows if r["engine"] == engine and r["mode"] == mode and "summary" in r]
+
+
+def _top_common_load(rows: list[dict], engine: str, a: str, b: str) -> str | None:
+    common = [ld for ld in _loads(rows, engine, a) if ld in _loads(rows, engine, b)]
+    return common[-1] if common else None
+
+
+def _p(row: dict, q: str = "p50", key: str = "latency_s") -> float | None:
+    v = row["summary"].get(key)
+    return v.get(q) if v else None
+
+
+def _t(name: str, target: str, value: float | None, ok: bool | None, detail: str) -> dict:
+    return {"name": name, "target": target, "value": value, "met": ok, "detail": detail}
+
+
+def evaluate(rows: list[dict], theoretical: dict[str, float]) -> list[dict]:
+    """``theoretical``: load label -> the simulated engine's capacity (req/s) at that load."""
+    out: list[dict] = []
+    # Simulated GPU: batching against serial at the highest common concurrency (64 by default).
+    load = _top_common_load(rows, "simulated", "pipeline-window50", "serial")
+    if load:
+        b, s = _find(rows, "simulated", "pipeline-window50", load), _find(rows, "simulated", "serial", load)
+        rb, rs = b["summary"]["throughput_rps"], s["summary"]["throughput_rps"]
+        ratio = rb / rs if rs else None
+        out.append(_t("simulated: batching throughput vs serial", ">= 2.5x", ratio, ratio is not None and ratio >= 2.5,
+                      f"{load}: pipeline-window50 {rb:.2f} req/s, serial {rs:.2f} req/s"))
+        cap = theoretical.get(load)
+        if cap:
+            f = rb / cap
+            out.append(_t("simulated: batching throughput vs the engine's theoretical capacity", ">= 0.90", f, f >= 0.9,
+                          f"{load}: {rb:.2f} req/s of {cap:.2f} req/s (full batches back to back)"))
+        pb, ps = _p(b, "p99"), _p(s, "p99")
+        if pb and ps:
+            out.append(_t("simulated: batching p99 vs serial p99", "<= 0.3x", pb / ps, pb / ps <= 0.3,
+                          f"{load}: {pb * 1000:.0f} ms vs {ps * 1000:.0f} ms"))
+    # No-op engine: overhead at idle, capacity, and the window at idle.
+    idle = _find(rows, "noop", "pipeline-window50", "c=1")
+    if idle and idle["summary"].get("overhead_s"):
+        ov = idle["summary"]["overhead_s"]["p50"]
+        out.append(_t("noop: orchestration overhead at idle (p50, end-to-end minus engine time, API included)",
+                      "<= 10 ms", ov * 1000, ov <= 0.010, "pipeline-window50, one client"))
+    caps = [(r["summary"]["throughput_rps"], r["mode"], r["load"]) for r in rows
+            if r["engine"] == "noop" and r["mode"].startswith("pipeline") and "summary" in r]
+    if caps:
+        best = max(caps)
+        out.append(_t("noop: pipeline capacity", ">= 400 req/s", best[0], best[0] >= 400, f"best: {best[1]} at {best[2]}"))
+    w0 = _find(rows, "noop", "pipeline-window0", "c=1")
+    if idle and w0:
+        d = (_p(idle) - _p(w0)) * 1000
+        out.append(_t("noop: idle latency added by the 50 ms window (p50, window 50 minus window 0)", "<= 5 ms (0, not 50)",
+                      d, d <= 5.0, f"p50 {_p(idle) * 1000:.1f} ms vs {_p(w0) * 1000:.1f} ms"))
+    # Real vLLM: the pipeline's continuous batching against `vllm serve` at the same concurrency.
+    for mode in ("pipeline-continuous", "pipeline-window50"):
+        load = _top_common_load(rows, "real", mode, "vllm-serve")
+        if not load:
+            continue
+        p, v = _find(rows, "real", mode, load), _find(rows, "real", "vllm-serve", load)
+        rp, rv = p["summary"]["throughput_rps"], v["summary"]["throughput_rps"]
+        out.append(_t(f"real vLLM: {mode} throughput vs vllm serve", ">= 1.0x", rp / rv if rv else None,
+                      bool(rv) and rp / rv >= 1.0, f"{load}: {rp:.2f} vs {rv:.2f} req/s"))
+        pp, pv = _p(p, "p99"), _p(v, "p99")
+        if pp and pv:
+            out.append(_t(f"real vLLM: {mode} p99 vs vllm serve", "<= 1.1x", pp / pv, pp / pv <= 1.1,
+                          f"{load}: {pp * 1000:.0f} vs {pv * 1000:.0f} ms"))
+    return out

@@ -1,0 +1,200 @@
+"""TEST-ONLY fault injection around a real engine. Never set LLMPIPE_FAULT_INJECT in production.
+
+The reliability tests (tests/reliability/) start real workers with this variable set, as
+JSON, to make the engine fail in chosen ways on prompts that contain a marker text::
+
+    LLMPIPE_FAULT_INJECT='{"poison": "POISON", "transient": {"FLAKY": 2}, "ledger": true}'
+
+Keys (all optional):
+
+- ``poison``: a batch holding a prompt with this text raises a permanent EngineError;
+- ``transient``: {marker: n}: a request with the marker raises a transient EngineError
+  ("out of memory") on its first n engine attempts in this process;
+- ``crash``: a batch holding this text raises RuntimeError (an unexpected exception);
+- ``die``: a batch holding this text raises EngineDeadError; with ``die_once`` (default)
+  only the first time across all workers (a Redis SET NX), so a restarted worker recovers;
+- ``batch_delay_s``: every batch sleeps this long first (so a test can kill mid-batch);
+- ``task_delay_s``: {task name: s}: a worker sleeps this long at the start of that task
+  (Celery ``task_prerun``), so a test can kill a pre/postprocess worker mid-task;
+- both delays can also be set while the workers run, in the Redis hash
+  ``llmpipe:test:delays`` (field ``batch`` or a task name, value in seconds);
+- ``ledger``: count, per request id, engine attempts and completions in the Redis hashes
+  ``llmpipe:test:engine-started`` and ``llmpipe:test:engine-done``.
+
+The engine sees token ids only; markers are matched on the decoded prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
+from llmpipe.errors import EngineDeadError, EngineError
+
+log = logging.getLogger("llmpipe.faulty")
+
+ENV = "LLMPIPE_FAULT_INJECT"
+STARTED_KEY = "llmpipe:test:engine-started"
+DONE_KEY = "llmpipe:test:engine-done"
+DIED_KEY = "llmpipe:test:engine-died"
+DELAYS_KEY = "llmpipe:test:delays"
+
+
+def _runtime_delay(r: Any, name: str) -> float:
+    if r is None:
+        return 0.0
+    try:
+        v = r.hget(DELAYS_KEY, name)
+    except Exception:
+        return 0.0
+    return float(v) if v else 0.0
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    poison: str | None = None
+    transient: dict[str, int] = field(default_factory=dict)
+    crash: str | None = None
+    die: str | None = None
+    die_once: bool = True
+    batch_delay_s: float = 0.0
+    task_delay_s: dict[str, float] = field(default_factory=dict)
+    ledger: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> FaultSpec:
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"{ENV} must be a JSON object")
+        unknown = set(data) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"{ENV}: unknown keys {sorted(unknown)}")
+        return cls(**data)
+
+    @classmethod
+    def from_env(cls) -> FaultSpec | None:
+        text = os.environ.get(ENV, "").strip()
+        return cls.parse(text) if text else None
+
+
+class FaultInjectingEngine(Engine):
+    def __init__(self, inner: Engine, spec: FaultSpec, decode: Callable[[list[int]], str], redis_client: Any = None):
+        self.inner = inner
+        self.spec = spec
+        self._decode = decode
+        self._r = redis_client
+        self._attempts: dict[str, int] = defaultdict(int)
+        self._lock = threading.Lock()
+        self.name = f"faulty-{inner.name}"
+        self.continuous = inner.continuous
+        log.warning("FAULT INJECTION is on (%s=%s): this engine fails on purpose", ENV, spec)
+
+    @property
+    def max_model_len(self) -> int | None:
+        return self.inner.max_model_len
+
+    def _ledger(self, key: str, batch: list[EngineRequest]) -> None:
+        if not (self.spec.ledger and self._r is not None):
+            return
+        pipe = self._r.pipeline(transaction=False)
+        for r in batch:
+            pipe.hincrby(key, r.request_id, 1)
+        pipe.execute()
+
+    def generate(self, batch: list[EngineRequest], on_tokens: TokenCallback | None = None) -> list[EngineOutput]:
+        texts = [self._decode(r.prompt_token_ids) for r in batch]
+        with self._lock:
+            for r in batch:
+                self._attempts[r.request_id] += 1
+            attempts = [self._attempts[r.request_id] for r in batch]
+        self._ledger(STARTED_KEY, batch)
+        s = self.spec
+
+        def has(marker: str | None) -> bool:
+            return bool(marker) and any(marker in t for t in texts)
+
+        if has(s.die) and (not s.die_once or self._r is None or self._r.set(DIED_KEY, 1, nx=True, ex=3600)):
+            raise EngineDeadError(f"injected engine death (a prompt holds {s.die!r})")
+        delay = s.batch_delay_s or _runtime_delay(self._r, "batch")
+        if delay > 0:
+            time.sleep(delay)
+        if has(s.crash):
+            raise RuntimeError(f"injected unexpected exception (a prompt holds {s.crash!r})")
+        if has(s.poison):
+            raise EngineError(f"injected engine failure (a prompt holds {s.poison!r})")
+        for marker, times in s.transient.items():
+            for t, n in zip(texts, attempts, strict=True):
+                if marker in t and n <= times:
+                    raise EngineError(f"CUDA out of memory (injected, attempt {n} of {times} failing)", transient=True)
+        outs = self.inner.generate(batch, on_tokens)
+        self._ledger(DONE_KEY, batch)
+        return outs
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.inner.abort(request_ids)
+
+    def stats(self) -> dict[str, float]:
+        return self.inner.stats()
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+
+def wrap_from_env(engine: Engine, settings: Any, model_path: str | None) -> Engine:
+    """``engine`` wrapped per LLMPIPE_FAULT_INJECT, or ``engine`` itself when it is unset."""
+    spec = FaultSpec.from_env()
+    if spec is None:
+        return engine
+    import redis
+
+    tok = None
+    lock = threading.Lock()
+
+    def decode(ids: list[int]) -> str:
+        nonlocal tok
+        if model_path is None:
+            return ""
+        with lock:
+            if tok is None:
+                from transformers import AutoTokenizer
+
+                tok = AutoTokenizer.from_pretrained(model_path)
+        return tok.decode(ids)
+
+    r = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=3)
+    return FaultInjectingEngine(engine, spec, decode, r)
+
+
+def install_task_hooks() -> None:
+    """Connect the ``task_delay_s`` sleeps (called from workers/signals.py when the variable is set)."""
+    spec = FaultSpec.from_env()
+    if spec is None:
+        return
+    from celery.signals import task_prerun
+
+    from llmpipe.settings import get_settings
+
+    delays = dict(spec.task_delay_s)
+    clients: dict[int, Any] = {}  # one client per process (prefork children fork after this)
+
+    @task_prerun.connect(weak=False)
+    def _delay(sender=None, task=None, **_):
+        import redis
+
+        name = getattr(task, "name", None) or getattr(sender, "name", "")
+        r = clients.get(os.getpid())
+        if r is None:
+            r = clients[os.getpid()] = redis.Redis.from_url(get_settings().redis_url, socket_timeout=2)
+        d = delays.get(name) or _runtime_delay(r, name)
+        if d:
+            time.sleep(d)
+
+    log.warning("FAULT INJECTION is on: task delays %s", delays)
