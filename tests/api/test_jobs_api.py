@@ -121,3 +121,46 @@ def test_long_poll_wakes_when_the_result_is_stored_and_leaves_no_subscription(cl
     assert out["view"]["status"] == "succeeded"
     assert out["dt"] < 5
     assert [c for c in redis_client.pubsub_channels() if b"job" in c or b"celery" in c] == []
+
+
+def test_full_queue_gives_429_with_retry_after_and_the_stage(redis_client, redis_url, tmp_path):
+    from api.app import create_app
+
+    s = Settings(redis_url=redis_url, state_dir=tmp_path, max_queue_depth=3)
+    with TestClient(create_app(s)) as c:
+        assert [c.post("/v1/jobs", json={"prompt": "x"}).status_code for _ in range(3)] == [202] * 3
+        r = c.post("/v1/jobs", json={"prompt": "x"})
+        assert r.status_code == 429
+        assert int(r.headers["Retry-After"]) >= 1
+        err = r.json()["error"]
+        assert err["type"] == "overloaded" and err["stage"] == "preprocess" and "preprocess queue is full" in err["message"]
+        assert len(redis_client.lrange("preprocess", 0, -1)) == 3  # nothing enqueued for the rejected job
+
+
+def test_body_over_the_limit_is_413(redis_client, redis_url, tmp_path):
+    from api.app import create_app
+
+    s = Settings(redis_url=redis_url, state_dir=tmp_path, max_body_bytes=1000)
+    with TestClient(create_app(s)) as c:
+        r = c.post("/v1/jobs", json={"prompt": "x" * 2000})
+        assert r.status_code == 413 and r.json()["error"]["type"] == "limit_exceeded"
+
+
+def test_delete_unknown_is_404_and_cancel_marks_the_job(client, redis_client):
+    assert client.delete("/v1/jobs/nope").status_code == 404
+    job_id = client.post("/v1/jobs", json={"prompt": "x"}).json()["id"]
+    r = client.delete(f"/v1/jobs/{job_id}")
+    assert r.status_code == 200 and r.json()["status"] == "cancelled"
+    assert redis_client.exists(f"llmpipe:cancelled:{job_id}")
+    assert client.get(f"/v1/jobs/{job_id}").json()["status"] == "cancelled"
+
+
+def test_openapi_documents_every_endpoint_and_error(client):
+    spec = client.get("/openapi.json").json()
+    paths = spec["paths"]
+    for path, method in [("/v1/jobs", "post"), ("/v1/jobs/{job_id}", "get"), ("/v1/jobs/{job_id}", "delete"),
+                         ("/v1/completions", "post"), ("/v1/chat/completions", "post"), ("/v1/models", "get"),
+                         ("/metrics", "get"), ("/healthz", "get")]:
+        assert method in paths[path], (path, method)
+    assert {"400", "429", "422", "503", "401", "403", "413"} <= set(paths["/v1/jobs"]["post"]["responses"])
+    assert "404" in paths["/v1/jobs/{job_id}"]["get"]["responses"]
