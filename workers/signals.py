@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from celery.signals import worker_init, worker_process_shutdown, worker_ready, worker_shutdown
+from celery.signals import task_failure, worker_init, worker_process_shutdown, worker_ready, worker_shutdown
 
 from workers.context import context
 
@@ -64,3 +64,59 @@ def _warm(sender=None, **_):
 @worker_process_shutdown.connect
 def _shutdown(**_):
     context().shutdown_all()
+
+
+# -- reliability (docs/reliability.md) ---------------------------------------------------
+_watchdog = None
+
+
+@worker_ready.connect
+def _start_watchdog(sender=None, **_):
+    # The deadline watchdog runs in the postprocess/collect workers' main process: it settles
+    # jobs that nothing finished by their deadline (llmpipe/watchdog.py). Its own client, so
+    # prefork children never share its connections.
+    global _watchdog
+    from llmpipe.settings import get_settings
+
+    s = get_settings()
+    if os.environ.get("LLMPIPE_WORKER_KIND") not in ("postprocess", "collect") or s.watchdog_interval_s <= 0:
+        return
+    import redis
+
+    from llmpipe.deadletter import DeadLetters
+    from llmpipe.jobs import JobStore
+    from llmpipe.watchdog import Watchdog, WatchdogLoop
+
+    r = redis.Redis.from_url(s.redis_url, socket_timeout=5, socket_connect_timeout=3, health_check_interval=30)
+    dl = DeadLetters(r, ttl_s=s.deadletter_ttl_s, max_entries=s.deadletter_max_entries)
+    _watchdog = WatchdogLoop(Watchdog(r, JobStore(r, s.result_ttl_s), grace_s=s.watchdog_grace_s, deadletters=dl),
+                             s.watchdog_interval_s).start()
+
+
+@worker_shutdown.connect
+def _stop_watchdog(**_):
+    if _watchdog is not None:
+        _watchdog.stop()
+
+
+@task_failure.connect
+def _dead_letter(sender=None, task_id=None, exception=None, args=None, kwargs=None, **_):
+    """A task raised an unexpected exception (its job ends failed): keep a dead letter."""
+    try:
+        name = getattr(sender, "name", None) or str(sender)
+        msg = args[0] if args and isinstance(args[0], dict) else {}
+        job_id = msg.get("job_id") or (kwargs or {}).get("job_id")
+        index = msg.get("index")
+        context().deadletters.record(
+            stage=name.removeprefix("llmpipe."), reason="task_failure", message=f"{type(exception).__name__}: {exception}",
+            job_id=job_id, request_id=f"{job_id}-{index}" if job_id and index is not None else None,
+            task=name, task_id=task_id,
+        )
+    except Exception:  # never let bookkeeping fail the failure path
+        log.exception("could not dead-letter task %s", task_id)
+
+
+if os.environ.get("LLMPIPE_FAULT_INJECT"):  # tests only (llmpipe/engines/faulty.py)
+    from llmpipe.engines.faulty import install_task_hooks
+
+    install_task_hooks()

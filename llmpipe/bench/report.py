@@ -117,6 +117,7 @@ def plots(result: dict, out: Path) -> dict[str, list[str]]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401
 
     made: dict[str, list[str]] = {}
     for plan in result["plans"]:
@@ -131,8 +132,10 @@ def plots(result: dict, out: Path) -> dict[str, list[str]]:
             top = mr[-1]
             xs = [x * 1000 for x in top["cdf"]]
             if xs:
-                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=f"{m} ({top['load']})")
+                ax.step([xs[0], *xs], [0.0, *((i + 1) / len(xs) for i in range(len(xs)))], where="post",
+                        label=f"{m} ({top['load']}, n={len(xs)})")
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.set_xlabel("latency (ms, log scale)")
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"Latency CDF: {label}", fontsize=10)

@@ -146,3 +146,22 @@ def test_metrics_move_with_traffic(secured_pipeline, client):
         assert _metric(text, "llmpipe_stage_run_seconds_count", f'stage="{stage}"') > 0, stage
     assert re.search(r'llmpipe_queue_depth_messages\{queue="inference"\} \d', text)
     assert "llmpipe_engine_running_requests" in text and "llmpipe_engine_kv_cache_usage_ratio" in text
+
+
+def test_vllm_bench_serve_runs_against_llmpipe_without_failures(secured_pipeline, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OPENAI_API_KEY": KEY}
+    cmd = [sys.executable, "-m", "llmpipe.vllm_cli", "bench", "serve", "--backend", "openai",
+           "--base-url", secured_pipeline.api_url, "--model", secured_pipeline.s.model,
+           "--tokenizer", secured_pipeline.s.model, "--dataset-name", "random", "--random-input-len", "32",
+           "--random-output-len", "8", "--num-prompts", "24", "--max-concurrency", "8", "--ignore-eos",
+           "--disable-tqdm"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert re.search(r"Successful requests:\s+24", text), text[-3000:]
+    assert re.search(r"Failed requests:\s+0", text) or "Failed requests" not in text, text[-3000:]
+    print(text[text.find("============ Serving Benchmark Result"):][:2000])
