@@ -161,6 +161,40 @@ class Supervisor:
         return warm
 
 
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, parent pid) from /proc/PID/stat, or None when there is no such process."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # the command may hold spaces and parens
+    return fields[0], int(fields[1])
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (dead, waiting to be reaped)."""
+    st = _stat(pid)
+    return st is not None and st[0] not in ("Z", "X")
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` now (children, grandchildren, ...), from /proc."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            st = _stat(int(entry))
+            if st is not None:
+                parents.setdefault(st[1], []).append(int(entry))
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
 def python_env(extra: dict[str, str]) -> dict[str, str]:
     env = dict(os.environ)
     env.update(extra)
@@ -171,4 +205,4 @@ def python_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-__all__ = ["Supervisor", "Child", "die_with_parent", "python_env"]
+__all__ = ["Supervisor", "Child", "alive", "descendants", "die_with_parent", "python_env"]
