@@ -100,7 +100,10 @@ def flower(port, address):
     """Run Flower with basic auth (LLMPIPE_FLOWER_USER / LLMPIPE_FLOWER_PASSWORD)."""
     from llmpipe.local import flower_argv
 
-    argv = flower_argv(load_settings(), port=port, address=address)
+    s = load_settings()
+    if not s.flower_password and address not in ("127.0.0.1", "localhost", "::1"):
+        raise click.ClickException(f"set LLMPIPE_FLOWER_PASSWORD to serve Flower on {address} (basic auth)")
+    argv = flower_argv(s, port=port, address=address)
     os.execv(argv[0], argv)
 
 

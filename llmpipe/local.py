@@ -6,8 +6,9 @@ same real processes.
 
 from __future__ import annotations
 
-import shutil
 import re
+import shutil
+import signal
 import sys
 import threading
 import time
@@ -36,7 +37,8 @@ def exit_reason(child: Child) -> str:
     own = [ln for ln in lines if ln.startswith("llmpipe:")]
     last = own[-1].removeprefix("llmpipe:").strip() if own else (lines[-1] if lines else "")
     code = child.proc.returncode if child.proc else None
-    return f"{child.name} exited with code {code}" + (f": {last[:300]}" if last else "") + f" (log: {child.log_path})"
+    how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exited with code {code}"
+    return f"{child.name} {how}" + (f": {last[:300]}" if last else "") + f" (log: {child.log_path})"
 
 
 def settings_env(s: Settings) -> dict[str, str]:

@@ -26,17 +26,29 @@ _COLORS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "
 _PR_SET_PDEATHSIG = 1
 
 
+_PRCTL: list = []
+
+
+def _prctl():
+    if not _PRCTL:
+        try:
+            _PRCTL.append(ctypes.CDLL(None, use_errno=True).prctl)
+        except (OSError, AttributeError):  # not Linux
+            _PRCTL.append(None)
+    return _PRCTL[0]
+
+
 def die_with_parent(sig: int = signal.SIGTERM, new_session: bool = True):
     """A ``preexec_fn``: the child gets ``sig`` when this (forking) process dies, and runs
-    in a session of its own (away from the terminal's Ctrl-C)."""
+    in a session of its own (away from the terminal's Ctrl-C). The kernel ties the signal
+    to the *thread* that forks, so spawn from a thread that lives as long as the children
+    (the main thread)."""
     parent = os.getpid()
+    prctl = _prctl()  # looked up here: after a fork in a threaded process, only call it
 
     def preexec() -> None:  # pragma: no cover - runs in the child before exec
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, sig)
-        except OSError:
-            pass
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, sig)
         if os.getppid() != parent:  # the parent died before prctl took effect
             os._exit(1)
         if new_session:

@@ -29,8 +29,9 @@ EMBEDDED = "embedded"
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
-class _Interrupted(Exception):
-    """Ctrl-C before any child started: nothing to stop warm."""
+class _Interrupted(BaseException):
+    """Ctrl-C before any child started (a BaseException, like KeyboardInterrupt, so that
+    no ``except Exception`` on the way swallows it)."""
 
 
 def child_env(s: Settings) -> dict[str, str]:
@@ -64,7 +65,7 @@ def run_up(s: Settings, *, flower: bool = True, echo: bool = True, redis_explici
            ready_timeout: float = 600.0, stop_timeout: float = 120.0) -> int:
     from llmpipe.models.registry import resolve_model
 
-    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    console = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
     out = Console(highlight=False, soft_wrap=True)
     embedded: EmbeddedRedis | None = None
     pipeline: LocalPipeline | None = None
@@ -75,7 +76,7 @@ def run_up(s: Settings, *, flower: bool = True, echo: bool = True, redis_explici
     def on_signal(signum, frame):
         if stopping.is_set():
             if not force.is_set():
-                console.print("[red]forcing shutdown[/]")
+                console.print("forcing shutdown", style="red")
             force.set()
             return
         stopping.set()
@@ -88,15 +89,14 @@ def run_up(s: Settings, *, flower: bool = True, echo: bool = True, redis_explici
         for port, what, flag in [(s.api_port, "API", "--port"), *([(s.flower_port, "Flower", "--flower-port")] if flower else [])]:
             if port_in_use(port):
                 raise PipelineError(f"port {port} for the {what} is already in use (choose another with {flag})")
+        configured = _configured_redis(s, redis_explicit)
         try:
             model_path = resolve_model(s.model, s.models_dir, progress=True)
-        except _Interrupted:
-            raise
         except Exception as exc:
             raise PipelineError(f"model {s.model}: {exc}") from None
         check_model_path(model_path)
         console.print(f"model: {s.model} ({model_path}); engine: {s.engine.value}")
-        embedded, s = _redis(s, redis_explicit, console)
+        embedded, s = _redis(s, configured, console)
         if flower and not s.flower_password:
             s = s.model_copy(update={"flower_password": secrets.token_urlsafe(12)})
         pipeline = LocalPipeline(s, flower=flower, echo=echo, console=console, extra_env=child_env(s))
@@ -114,24 +114,27 @@ def run_up(s: Settings, *, flower: bool = True, echo: bool = True, redis_explici
             stopping.wait(0.5)
         code = 0 if ready else 130
     except _Interrupted:
+        console.print("llmpipe up: interrupted", style="yellow")
         code = 130
     except PipelineError as exc:
-        console.print(f"llmpipe up: {exc}", style="red", markup=False)
+        console.print(f"llmpipe up: {exc}", style="red")
         code = 1
     except Exception as exc:  # a bug: still one line, and still a clean stop
         if os.environ.get("LLMPIPE_DEBUG"):
             raise
         console.print(f"llmpipe up: unexpected {type(exc).__name__}: {exc} (LLMPIPE_DEBUG=1 shows the traceback)",
-                      style="red", markup=False)
+                      style="red")
         code = 1
     finally:
         stopping.set()
         if pipeline is not None:
             if code in (0, 130):
-                console.print("[yellow]warm shutdown: running requests finish, queued jobs stay in Redis "
-                              "(Ctrl-C again to force)[/]")
-            if not pipeline.stop(timeout=stop_timeout, force_event=force) and code == 0:
-                code = 130
+                console.print("warm shutdown: running requests finish, queued jobs stay in Redis "
+                              "(Ctrl-C again to force)", style="yellow")
+            if not pipeline.stop(timeout=stop_timeout, force_event=force):
+                if not force.is_set():
+                    console.print(f"not stopped after {stop_timeout:.0f}s: killed what was left", style="red")
+                code = code or 130
         if embedded is not None:
             embedded.stop()
         for sig, handler in previous.items():
@@ -141,21 +144,37 @@ def run_up(s: Settings, *, flower: bool = True, echo: bool = True, redis_explici
     return code
 
 
-def _redis(s: Settings, explicit: bool, console: Console) -> tuple[EmbeddedRedis | None, Settings]:
+def _safe(url: str) -> str:
+    """The URL without its password."""
+    from kombu.utils.url import maybe_sanitize_url
+
+    return maybe_sanitize_url(url)
+
+
+def _configured_redis(s: Settings, explicit: bool) -> bool:
+    """Whether the configured Redis answers; an explicit one (flag, env, config file)
+    that does not is an error, not a reason to embed one."""
+    if s.redis_url == EMBEDDED:
+        return False
+    if redis_answers(s.redis_url):
+        return True
+    if explicit:
+        raise PipelineError(f"redis at {_safe(s.redis_url)} does not answer (leave --redis-url out, or "
+                            f"use --redis-url {EMBEDDED}, for an embedded Redis)")
+    return False
+
+
+def _redis(s: Settings, configured: bool, console: Console) -> tuple[EmbeddedRedis | None, Settings]:
     """The Redis to use, said in one line: the configured one when it answers, else an
-    embedded one (always with ``--redis-url embedded``)."""
-    if s.redis_url != EMBEDDED:
-        if redis_answers(s.redis_url):
-            console.print(f"redis: using {s.redis_url}")
-            return None, s
-        if explicit:
-            raise PipelineError(f"redis at {s.redis_url} does not answer (leave --redis-url out, or "
-                                f"use --redis-url {EMBEDDED}, for an embedded Redis)")
+    embedded one (always with ``--redis-url embedded``) with its AOF in the state dir."""
+    if configured:
+        console.print(f"redis: using {_safe(s.redis_url)}")
+        return None, s
     try:
         embedded = EmbeddedRedis(s.state_dir / "redis").start()
     except RuntimeError as exc:
         raise PipelineError(f"embedded redis: {exc}") from None
-    why = "" if s.redis_url == EMBEDDED else f"; {s.redis_url} did not answer"
+    why = "" if s.redis_url == EMBEDDED else f"; {_safe(s.redis_url)} did not answer"
     console.print(f"redis: embedded redis-server at {embedded.url} (AOF in {embedded.data_dir}){why}")
     return embedded, s.model_copy(update={"redis_url": embedded.url})
 
@@ -177,13 +196,13 @@ def _print_ready(out: Console, s: Settings, flower: bool, embedded: EmbeddedRedi
             '"max_tokens": 32, "temperature": 0}')
     url_opt = "" if s.api_port == 8000 else f" --url {api}"
     lines = [
-        f"[bold green]llmpipe is ready[/] in {took:.1f}s (model {s.model}, engine {s.engine.value})",
+        "[bold green]llmpipe is ready[/] " + escape(f"in {took:.1f}s (model {s.model}, engine {s.engine.value})"),
         f"  API      {api}   docs: {api}/docs",
     ]
     if flower:
         lines.append(f"  Flower   http://127.0.0.1:{s.flower_port}   user {s.flower_user}, password {s.flower_password}")
     lines += [
-        f"  Redis    {s.redis_url}" + (" (embedded)" if embedded else ""),
+        f"  Redis    {_safe(s.redis_url)}" + (" (embedded)" if embedded else ""),
         f"  Logs     {pipeline.sup.log_dir}",
         "  Try:",
         f"    curl -s {api}/v1/jobs -H 'content-type: application/json' -d '{body}'",

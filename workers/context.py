@@ -158,21 +158,53 @@ ENGINE_DEAD_EXIT = 70
 def engine_died(exc: BaseException) -> None:
     """The engine is gone: hand this worker's messages back to the queue and exit non-zero.
 
-    Every message this process reserved (running or waiting for a thread) is rejected with
-    requeue, so another inference worker (or this one, restarted by its supervisor) takes
-    them at once instead of after the visibility timeout. Nothing is acked; nothing waits
-    on the dead engine, so the worker never hangs."""
+    Every message this process took and did not ack (running, waiting for a thread, or
+    done with its ack still pending) goes back to its queue at once, so another inference
+    worker (or this one, restarted by its supervisor) takes them now instead of after the
+    visibility timeout; one that had already finished replays its stored result
+    (llmpipe/idempotency.py). Nothing waits on the dead engine, so the worker never hangs."""
     from celery.worker import state
 
     log.critical("engine died (%s: %s): requeueing this worker's messages and exiting with %d",
                  type(exc).__name__, exc, ENGINE_DEAD_EXIT)
     requeued = 0
-    for req in list(state.reserved_requests):
-        try:
-            req.reject(requeue=True)
-            requeued += 1
-        except Exception:  # the visibility timeout brings it back anyway
-            log.warning("could not requeue %s", getattr(req, "id", "?"), exc_info=True)
+    channels = {}
+    for req in list(state.reserved_requests) + list(state.active_requests):
+        ch = getattr(getattr(req, "message", None), "channel", None)
+        if ch is not None:
+            channels[id(ch)] = ch
+    # Synchronously, on the consumer's channel: Request.reject only schedules the reject on
+    # the consumer's event loop, which never runs again after os._exit. This is what kombu
+    # does with unacked messages at a warm shutdown (QoS.restore_unacked), to the front of
+    # the queue. First the channel stops fetching (can_consume() turns false), then a second
+    # pass returns what a fetch already in flight brought in.
+    done: set = set()
+    try:
+        for ch in channels.values():
+            ch.qos.prefetch_count = 1
+        # Requests of earlier batches that already have their result store and ack it now,
+        # instead of running again after the requeue.
+        time.sleep(0.2)
+        for ch in channels.values():
+            # A BRPOP already waiting on the server would take a requeued message straight
+            # back into this dying process (and lose it): end it server-side first.
+            conn = getattr(ch, "_in_poll", None)
+            sock = getattr(conn, "_sock", None) if conn else None
+            if sock is not None:
+                host, port = sock.getsockname()[:2]
+                with ch.conn_or_acquire() as client:
+                    client.execute_command("CLIENT", "KILL", "ADDR", f"{host}:{port}")
+        for _ in range(3):
+            fresh = [(ch, t) for ch in channels.values() for t in list(ch.qos._delivered) if t not in done]
+            for ch, tag in fresh:
+                ch.qos.restore_by_tag(tag)
+                done.add(tag)
+            if not fresh and done:
+                break
+            time.sleep(0.05)
+        requeued = len(done)
+    except Exception:  # the visibility timeout brings them back anyway
+        log.warning("could not requeue every message", exc_info=True)
     print(f"llmpipe: engine died ({type(exc).__name__}: {exc}); requeued {requeued} messages; exiting "
           f"with {ENGINE_DEAD_EXIT}", file=sys.stderr, flush=True)
     sys.stdout.flush()

@@ -73,12 +73,14 @@ def _loadavg() -> str:
 @click.option("--sim-step-ms", type=float, default=None, help="Simulated GPU: decode step of a batch of one.")
 @click.option("--sim-step-ms-per-seq", type=float, default=None, help="Simulated GPU: added per extra sequence.")
 @click.option("--api", type=click.Choice(["auto", "jobs", "openai"]), default="auto", show_default=True,
-              help="Client protocol for the serial and pipeline modes (auto: /v1/completions if the pipeline has it).")
+              help="Client protocol for the serial and pipeline modes: the job API, or /v1/completions with "
+                   "streaming (TTFT). auto: openai for the real engine, jobs for noop and simulated.")
+@click.option("--request-timeout", type=float, default=None, help="Seconds before a request counts as failed (default 300; 60 with --quick).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-results"), show_default=True)
 @click.option("--quick", is_flag=True, help="Smoke profile: tiny model, transformers, a handful of requests.")
 def bench(engines, modes, concurrency, rate, requests, duration, prompt_tokens, max_tokens, model, real_engine,
           max_batch_size, cpu_workers, sim_preprocess_ms, sim_postprocess_ms, sim_prefill_ms_per_token, sim_step_ms,
-          sim_step_ms_per_seq, api, out, quick):
+          sim_step_ms_per_seq, api, request_timeout, out, quick):
     """Benchmark serial, pipeline (no batching, 50 ms window, continuous) and `vllm serve`
     on real vLLM, a SIMULATED GPU and a no-op engine; writes report.md, results.json and
     plots to --out."""
@@ -123,7 +125,7 @@ def bench(engines, modes, concurrency, rate, requests, duration, prompt_tokens, 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     o = Options(engines=chosen, modes=modes, concurrency=concurrency, rate=rate, requests=requests,
                 prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model, real_engine=real_engine,
-                max_batch=max_batch_size, cpu_workers=cpu_workers, sim=sim, quick=quick)
+                max_batch=max_batch_size, cpu_workers=cpu_workers, sim=sim, api=api, quick=quick)
     plans = build_plans(o, model_path, tokenizer)
     for p in plans:
         console.print(f"[bold]{p.setup.label}[/]: " + "; ".join(
@@ -131,7 +133,8 @@ def bench(engines, modes, concurrency, rate, requests, duration, prompt_tokens, 
 
     redis_srv = EmbeddedRedis(out / "redis", appendonly=False).start()
     try:
-        rows = run_plans(plans, RunConfig(out=out, api=api, duration_s=duration), redis_srv.url, console)
+        cfg = RunConfig(out=out, duration_s=duration, request_timeout_s=request_timeout or (60.0 if quick else 300.0))
+        rows = run_plans(plans, cfg, redis_srv.url, console)
     finally:
         redis_srv.stop()
 
@@ -143,7 +146,8 @@ def bench(engines, modes, concurrency, rate, requests, duration, prompt_tokens, 
     for p in plans:
         s = p.setup
         text = (f"Model {model} ({s.model_path}); prompts ~{p.measured_prompt_tokens:.0f} tokens (measured), "
-                f"max_tokens {p.max_tokens} with ignore_eos; max batch {s.max_batch}; CPU pools {s.cpu_workers} "
+                f"max_tokens {p.max_tokens} with ignore_eos; serial/pipeline driven through "
+                f"{'POST /v1/completions (stream)' if p.api == 'openai' else 'the job API'}; max batch {s.max_batch}; CPU pools {s.cpu_workers} "
                 f"processes each; max_model_len {s.max_model_len}.")
         if s.key == "simulated":
             cost = SimulatedGpuCost(s.sim["sim_prefill_ms_per_token"] / 1000, s.sim["sim_step_ms"] / 1000,
@@ -161,12 +165,14 @@ def bench(engines, modes, concurrency, rate, requests, duration, prompt_tokens, 
                      f"{s.sim['sim_postprocess_cpu_ms']:g} ms postprocess (CPU time, per request).")
         plan_meta.append({"engine": s.key, "label": s.label, "kind": s.kind.value, "model": model,
                           "model_path": s.model_path, "prompt_tokens": p.measured_prompt_tokens,
-                          "max_tokens": p.max_tokens, "max_batch": s.max_batch, "cpu_workers": s.cpu_workers,
+                          "max_tokens": p.max_tokens, "api": p.api, "max_batch": s.max_batch, "cpu_workers": s.cpu_workers,
                           "sim": s.sim, "points": [[m, [ld.label for ld in loads]] for m, loads in p.points],
                           "notes": p.notes, "settings_text": text})
     meta.update(duration_s=time.monotonic() - t0, loadavg_end=_loadavg())
+    meta["profile"] = "quick (smoke: tiny model, a handful of requests; targets not evaluated)" if quick else "default"
     result = {"meta": meta, "plans": plan_meta, "theoretical_capacity_rps": theoretical,
-              "modes": {k: m.about for k, m in MODES.items()}, "rows": rows, "targets": evaluate(rows, theoretical)}
+              "modes": {k: m.about for k, m in MODES.items()}, "rows": rows,
+              "targets": [] if quick else evaluate(rows, theoretical)}
     files = write_all(result, out)
     for t in result["targets"]:
         mark = "[green]met[/]" if t["met"] else "[red]missed[/]"

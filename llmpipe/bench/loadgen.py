@@ -187,11 +187,13 @@ class OpenAIClient:
 Client = JobsClient | OpenAIClient
 
 
-async def _one(client: Client, http: httpx.AsyncClient, i: int, prompt: str) -> Sample:
+async def _one(client: Client, http: httpx.AsyncClient, i: int, prompt: str, timeout_s: float | None) -> Sample:
     s = Sample(i=i, start=time.time())
     t0 = time.perf_counter()
     try:
-        await client.request(http, s, prompt)
+        await asyncio.wait_for(client.request(http, s, prompt), timeout_s)
+    except TimeoutError:
+        s.ok, s.error = False, f"no complete answer within {timeout_s:g}s"
     except (httpx.HTTPError, ValueError, KeyError) as e:
         s.ok, s.error = False, f"{type(e).__name__}: {e}"[:300]
     s.latency_s = time.perf_counter() - t0
@@ -214,10 +216,12 @@ async def run_load(
     rate: float | None = None,
     duration_s: float | None = None,
     seed: int = 0,
+    timeout_s: float | None = 300.0,
     on_done: Callable[[Sample], None] | None = None,
 ) -> list[Sample]:
     """Send ``requests`` requests (or as many as fit in ``duration_s``), closed loop with
-    ``concurrency`` clients or open loop at ``rate`` requests/s; samples in issue order."""
+    ``concurrency`` clients or open loop at ``rate`` requests/s; samples in issue order.
+    A request without a complete answer after ``timeout_s`` counts as an error."""
     if (concurrency is None) == (rate is None):
         raise ValueError("give exactly one of concurrency or rate")
     deadline = time.monotonic() + duration_s if duration_s else None
@@ -228,7 +232,7 @@ async def run_load(
         return i < limit and (deadline is None or time.monotonic() < deadline)
 
     async def one(i: int) -> None:
-        s = await _one(client, http, i, prompts[i % len(prompts)])
+        s = await _one(client, http, i, prompts[i % len(prompts)], timeout_s)
         samples.append(s)
         if on_done is not None:
             on_done(s)

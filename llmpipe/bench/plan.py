@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmpipe.bench.modes import MODES, EngineSetup
+from llmpipe.bench.modes import MODES, EngineSetup, has_completions_endpoint
 from llmpipe.bench.runner import EnginePlan, Load
 from llmpipe.settings import EngineKind
 
@@ -13,16 +13,20 @@ ENGINES = ("noop", "simulated", "real")
 # The default run (~10 min on 2 cores): the study's point (512-token prompts, 64 output
 # tokens, concurrency 64) on the simulated GPU; the orchestration's idle overhead and
 # capacity on the no-op engine; real vLLM, smaller (2 CPU cores), against `vllm serve`.
+# "api": how the serial and pipeline modes are driven by default. The real engine uses the
+# OpenAI streaming endpoint, as `vllm serve` is driven, with TTFT; noop and simulated use
+# the job API (see docs/benchmarks.md for why).
 PROFILES = {
     "noop": {"modes": ["serial", "pipeline-window0", "pipeline-window50"], "concurrency": [1, 64],
-             "prompt_tokens": 512, "max_tokens": 64},
+             "prompt_tokens": 512, "max_tokens": 64, "api": "jobs"},
     "simulated": {"modes": ["serial", "pipeline-nobatch", "pipeline-window50"], "concurrency": [1, 16, 64],
-                  "prompt_tokens": 512, "max_tokens": 64},
+                  "prompt_tokens": 512, "max_tokens": 64, "api": "jobs"},
     "real": {"modes": ["serial", "pipeline-nobatch", "pipeline-window50", "pipeline-continuous", "vllm-serve"],
-             "concurrency": [8], "prompt_tokens": 128, "max_tokens": 32},
+             "concurrency": [8], "prompt_tokens": 128, "max_tokens": 32, "api": "openai"},
 }
 QUICK = {"modes": ["serial", "pipeline-window50"], "concurrency": [2], "prompt_tokens": 32, "max_tokens": 8,
-         "requests": 6}
+         "requests": 6, "api": "jobs"}
+QUICK_MODES = {"noop": ["pipeline-window50"], "simulated": ["serial", "pipeline-window50"], "real": ["pipeline-window50"]}
 VLLM_ONLY = {"pipeline-continuous", "vllm-serve"}
 
 
@@ -36,7 +40,7 @@ def default_requests(engine: str, mode: str, load: Load) -> int:
         return 60 if c == 1 else 12 * c
     if engine == "simulated":
         return (4 * c + 16) if MODES[mode].batched else (2 * c + 16)
-    return 3 * c
+    return 3 * c if MODES[mode].batched else 2 * c
 
 
 @dataclass
@@ -53,6 +57,7 @@ class Options:
     max_batch: int
     cpu_workers: int
     sim: dict
+    api: str = "auto"
     quick: bool = False
 
 
@@ -68,7 +73,7 @@ def build_plans(o: Options, model_path: str, tokenizer, console=None) -> list[En
     plans = []
     ctx = context_length(model_path)
     for key in o.engines:
-        prof = dict(PROFILES[key], **(QUICK if o.quick else {}))
+        prof = dict(PROFILES[key], **(dict(QUICK, modes=QUICK_MODES[key]) if o.quick else {}))
         kind = {"noop": EngineKind.NOOP, "simulated": EngineKind.SIMULATED}.get(key) or EngineKind(o.real_engine)
         modes = [m for m in (o.modes or prof["modes"]) if m in prof["modes"] or o.modes]
         notes = []
@@ -96,7 +101,10 @@ def build_plans(o: Options, model_path: str, tokenizer, console=None) -> list[En
                 loads.append(Load(ld.concurrency, ld.rate, n))
             points.append((m, loads))
         need = max(sum(ld.requests for ld in loads) for _, loads in points) + 4
-        plan = EnginePlan(setup, pt, mt, points, notes=notes)
+        api = o.api if o.api != "auto" else prof["api"]
+        if api == "openai" and o.api == "auto" and not has_completions_endpoint():
+            api = "jobs"
+        plan = EnginePlan(setup, pt, mt, points, api=api, notes=notes)
         plan.prompts = make_prompts(tokenizer, need, pt)
         sample = plan.prompts[: min(20, len(plan.prompts))]
         plan.measured_prompt_tokens = sum(count_tokens(tokenizer, p) for p in sample) / len(sample)

@@ -43,6 +43,7 @@ class EnginePlan:
     prompt_tokens: int
     max_tokens: int
     points: list[tuple[str, list[Load]]]  # (mode name, loads) in run order
+    api: str = "jobs"  # client protocol of the serial and pipeline modes: jobs | openai
     prompts: list[str] = field(default_factory=list)
     measured_prompt_tokens: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -51,9 +52,9 @@ class EnginePlan:
 @dataclass
 class RunConfig:
     out: Path
-    api: str = "auto"  # auto | jobs | openai
     duration_s: float | None = None
     warm_requests: int = 2
+    request_timeout_s: float = 300.0
     seed: int = 0
 
 
@@ -65,19 +66,7 @@ def _client(server: Server, plan: EnginePlan, api: str):
     return JobsClient(server.url, plan.max_tokens)
 
 
-def _pick_api(plans: list[EnginePlan], api: str) -> str:
-    """auto: the OpenAI streaming endpoint (as for `vllm serve`, and with TTFT) when the
-    pipeline's API has /v1/completions, else the job API; the serial server speaks both,
-    so every mode of a run is driven the same way."""
-    if api != "auto":
-        return api
-    from llmpipe.bench.modes import has_completions_endpoint
-
-    return "openai" if has_completions_endpoint() else "jobs"
-
-
 def run_plans(plans: list[EnginePlan], cfg: RunConfig, redis_url: str, console: Console) -> list[dict]:
-    api = _pick_api(plans, cfg.api)
     rows: list[dict] = []
     r = redis.Redis.from_url(redis_url)
     total_points = sum(len(loads) for p in plans for _, loads in p.points)
@@ -104,10 +93,10 @@ def run_plans(plans: list[EnginePlan], cfg: RunConfig, redis_url: str, console: 
                     continue
                 startup_s = time.monotonic() - t_start
                 try:
-                    client = _client(server, plan, api)
+                    client = _client(server, plan, plan.api)
                     progress.update(step, description=f"{tag}: warm-up")
                     asyncio.run(run_load(client, plan.prompts[-cfg.warm_requests:], requests=cfg.warm_requests,
-                                         concurrency=1))
+                                         concurrency=1, timeout_s=cfg.request_timeout_s))
                     base = 0
                     for load in loads:
                         progress.update(step, description=f"{tag} {load.label}", total=load.requests or None, completed=0)
@@ -154,7 +143,7 @@ def _measure(plan: EnginePlan, server: Server, client, load: Load, cfg: RunConfi
             groups["redis"] = [int(pid)]
     sampler = CpuSampler(groups).start()
     samples = asyncio.run(run_load(client, prompts, requests=n, concurrency=load.concurrency, rate=load.rate,
-                                   duration_s=cfg.duration_s, seed=cfg.seed,
+                                   duration_s=cfg.duration_s, seed=cfg.seed, timeout_s=cfg.request_timeout_s,
                                    on_done=lambda s: progress.advance(step)))
     cpu = sampler.stop()
     if client.protocol == "openai" and "jobs" in server.protocols:

@@ -83,6 +83,13 @@ def summarize(samples: list[Sample], warmup: int) -> dict:
                               "method": "client: union of request in-flight intervals (an upper bound)"}
         out["overhead_s"] = None
         out["engine_time_s"] = None
+    stages: dict[str, dict[str, float | None]] = {}
+    for stage in ("preprocess", "inference", "postprocess"):
+        for part in ("queue_wait_s", "run_s"):
+            vals = [t[stage][part] for s in ok if (t := s.extra.get("timings")) and stage in t]
+            if vals:
+                stages.setdefault(stage, {})[part] = percentile(vals, 50)
+    out["stage_p50_s"] = stages or None  # from the server's per-prompt timings
     sizes = Counter(s.batch_size for s in ok if s.batch_size)
     out["batch_sizes"] = {str(k): v for k, v in sorted(sizes.items())} or None
     if sizes:

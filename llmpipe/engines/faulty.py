@@ -13,6 +13,8 @@ Keys (all optional):
 - ``crash``: a batch holding this text raises RuntimeError (an unexpected exception);
 - ``die``: a batch holding this text raises EngineDeadError; with ``die_once`` (default)
   only the first time across all workers (a Redis SET NX), so a restarted worker recovers;
+- ``die_always``: a batch holding this text raises EngineDeadError every time (a request
+  that kills every worker it reaches);
 - ``batch_delay_s``: every batch sleeps this long first (so a test can kill mid-batch);
 - ``task_delay_s``: {task name: s}: a worker sleeps this long at the start of that task
   (Celery ``task_prerun``), so a test can kill a pre/postprocess worker mid-task;
@@ -65,6 +67,7 @@ class FaultSpec:
     crash: str | None = None
     die: str | None = None
     die_once: bool = True
+    die_always: str | None = None
     batch_delay_s: float = 0.0
     task_delay_s: dict[str, float] = field(default_factory=dict)
     ledger: bool = False
@@ -121,6 +124,8 @@ class FaultInjectingEngine(Engine):
         def has(marker: str | None) -> bool:
             return bool(marker) and any(marker in t for t in texts)
 
+        if has(s.die_always):
+            raise EngineDeadError(f"injected engine death, every time (a prompt holds {s.die_always!r})")
         if has(s.die) and (not s.die_once or self._r is None or self._r.set(DIED_KEY, 1, nx=True, ex=3600)):
             raise EngineDeadError(f"injected engine death (a prompt holds {s.die!r})")
         delay = s.batch_delay_s or _runtime_delay(self._r, "batch")

@@ -35,6 +35,7 @@ FAULTS = {
     "transient": {"FLAKYOOM": 2, "DOOMEDOOM": 1000},
     "crash": "CRASHME",
     "die": "ENGINEDIE",
+    "die_always": "KILLSEVERYWORKER",
     "ledger": True,
 }
 VISIBILITY_S = 6.0
@@ -81,6 +82,7 @@ class ResultWatch:
         self.r = redis.Redis.from_url(url)
         self.count: dict[str, int] = {}
         self.digests: dict[str, set[str]] = {}
+        self.first_at: dict[str, float] = {}  # epoch s of a task id's first stored result
         self._stop = threading.Event()
         self._ps = self.r.pubsub(ignore_subscribe_messages=True)
         self._ps.psubscribe("celery-task-meta-*")
@@ -102,6 +104,7 @@ class ResultWatch:
                 body = json.dumps(payload.get("result"), sort_keys=True)
             except ValueError:
                 body = repr(m["data"])
+            self.first_at.setdefault(tid, time.time())
             self.count[tid] = self.count.get(tid, 0) + 1
             self.digests.setdefault(tid, set()).add(hashlib.sha1(body.encode()).hexdigest())
 
@@ -359,9 +362,47 @@ def stop_pipe(p: Pipe) -> None:
             p.redis_server.stop()
 
 
+def fuzz(schema, *, examples: int, include=lambda op: True, **call_kwargs) -> tuple[list[str], dict]:
+    """Property-based requests from the API's own OpenAPI spec (schemathesis), valid and
+    invalid ones; returns the failures (a 5xx, or a traceback in a body) and the codes seen."""
+    from collections import Counter
+
+    from hypothesis import HealthCheck, Phase, given, settings
+    from hypothesis.errors import Unsatisfiable
+    from schemathesis import GenerationMode
+
+    failures: list[str] = []
+    codes: Counter = Counter()
+    for res in schema.get_all_operations():
+        op = res.ok()
+        if not include(op):
+            continue
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+
+            @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck), phases=[Phase.generate])
+            @given(case=op.as_strategy(generation_mode=mode))
+            def run(case):
+                try:
+                    resp = case.call(**call_kwargs)
+                except Exception as exc:  # the transport failing is a failure too (a crash, a hang)
+                    failures.append(f"{op.method.upper()} {op.path} [{mode.value}] raised {type(exc).__name__}: {exc}")
+                    return
+                codes[f"{op.method.upper()} {op.path} {resp.status_code}"] += 1
+                if resp.status_code >= 500 or "Traceback" in resp.text:
+                    failures.append(f"{op.method.upper()} {op.path} [{mode.value}] -> {resp.status_code}: "
+                                    f"{resp.text[:300]} for {case.as_curl_command()[:500]}")
+
+            try:
+                run()
+            except Unsatisfiable:  # e.g. no invalid request exists for an operation without inputs
+                codes[f"{op.method.upper()} {op.path} [{mode.value}] nothing to generate"] += 1
+    return failures, dict(codes)
+
+
 @pytest.fixture(scope="session")
 def rel():
     return SimpleNamespace(
         FAULTS=FAULTS, VISIBILITY_S=VISIBILITY_S, RESTORE_S=RESTORE_S, record=record, wait_until=wait_until,
-        start_pipe=start_pipe, stop_pipe=stop_pipe, ResultWatch=ResultWatch, MemSampler=MemSampler,
+        start_pipe=start_pipe, stop_pipe=stop_pipe, ResultWatch=ResultWatch, MemSampler=MemSampler, fuzz=fuzz,
     )

@@ -1,0 +1,59 @@
+"""The bench's arithmetic, without servers."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmpipe.bench.loadgen import Sample, engine_interval
+from llmpipe.bench.stats import percentile, summarize, union_length
+
+
+def test_percentile_interpolates_like_numpy():
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile(list(range(101)), 99) == pytest.approx(99.0)
+
+
+def test_union_length_merges_and_clips():
+    assert union_length([], 0, 10) == 0
+    assert union_length([(1, 3), (2, 4), (6, 7)], 0, 10) == pytest.approx(4.0)
+    assert union_length([(-5, 2), (9, 20)], 0, 10) == pytest.approx(3.0)
+    assert union_length([(1, 2), (1, 2)], 0, 10) == pytest.approx(1.0)
+
+
+def test_engine_interval_from_stage_timings():
+    t = {"preprocess": {"queue_wait_s": 0.1, "run_s": 0.2}, "inference": {"queue_wait_s": 0.3, "run_s": 1.0}}
+    a, b = engine_interval(100.0, t, 0.5)
+    assert b == pytest.approx(101.6) and a == pytest.approx(101.1)
+    assert engine_interval(100.0, {}, 0.5) is None
+
+
+def _sample(i, start, lat, engine=None, batch=None):
+    s = Sample(i=i, start=start, latency_s=lat, ok=True, completion_tokens=10, batch_size=batch)
+    if engine:
+        s.engine_time_s = engine[1] - engine[0]
+        s.engine_interval = engine
+    return s
+
+
+def test_summarize_leaves_out_the_warmup_and_counts_the_window():
+    samples = [_sample(0, 0.0, 10.0), _sample(1, 1.0, 1.0), _sample(2, 2.0, 1.0), _sample(3, 3.0, 1.0)]
+    samples.append(Sample(i=4, start=3.5, latency_s=0.1, ok=False, error="boom"))
+    s = summarize(samples, warmup=1)
+    assert s["measured"] == 4 and s["ok"] == 3 and s["errors"] == 1 and s["first_error"] == "boom"
+    assert s["latency_s"]["p50"] == pytest.approx(1.0)
+    # window: first measured start (1.0) to last completion (10.0); completions in it: 4
+    assert s["window_s"] == pytest.approx(9.0)
+    assert s["throughput_rps"] == pytest.approx(4 / 9.0)
+    assert s["engine_busy"]["method"].startswith("client")
+    assert s["ttft_s"] is None and s["batch_sizes"] is None
+
+
+def test_summarize_uses_server_engine_intervals_and_batch_sizes():
+    samples = [_sample(i, float(i), 1.0, engine=(i + 0.5, i + 0.75), batch=2) for i in range(4)]
+    s = summarize(samples, warmup=0)
+    assert s["engine_busy"]["method"].startswith("server")
+    assert s["engine_busy"]["fraction"] == pytest.approx(1.0 / 4.0)
+    assert s["batch_sizes"] == {"2": 4} and s["batch_size_mean"] == 2
+    assert s["overhead_s"]["p50"] == pytest.approx(0.75)

@@ -1,0 +1,125 @@
+"""Redis restarts under load (AOF persistence): the workers and the API reconnect by
+themselves, every accepted job ends (succeeded, or clearly failed/expired) by its deadline,
+nothing hangs, and while Redis is down the API answers 503 with the error schema, never a
+500 and never a traceback."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+JOB_TIMEOUT_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def pipe(rel, tmp_path_factory, tiny_model):
+    p = rel.start_pipe(tmp_path_factory.mktemp("redis-restart"), model=tiny_model, redis_appendonly=True,
+                       faults={"ledger": True})
+    yield p
+    rel.stop_pipe(p)
+
+
+def _body(i: int) -> dict:
+    return {"prompt": f"redis restart {i}", "max_tokens": 8, "temperature": 1.0, "ignore_eos": True,
+            "timeout": JOB_TIMEOUT_S}
+
+
+def test_redis_restart_under_load(pipe, rel):
+    accepted: list[str] = []
+    codes: Counter = Counter()
+    bad: list[str] = []
+    stop = threading.Event()
+
+    def check_error_body(r: httpx.Response) -> None:
+        text = r.text
+        if r.status_code >= 500 and r.status_code != 503 or "Traceback" in text:
+            bad.append(f"{r.request.method} {r.request.url.path} -> {r.status_code}: {text[:200]}")
+        try:
+            assert "error" in r.json()
+        except Exception:
+            bad.append(f"{r.status_code} without the error schema: {text[:200]}")
+
+    def load():
+        i = 0
+        with httpx.Client(base_url=pipe.lp.api_url, timeout=20) as c:
+            while not stop.is_set():
+                try:
+                    r = c.post("/v1/jobs", json=_body(i))
+                    codes[r.status_code] += 1
+                    if r.status_code == 202:
+                        accepted.append(r.json()["id"])
+                    else:
+                        check_error_body(r)
+                except httpx.HTTPError as exc:
+                    codes[type(exc).__name__] += 1
+                i += 1
+                time.sleep(0.1)
+
+    watch = rel.ResultWatch(pipe.s.redis_url)
+    t0 = time.time()
+    with rel.MemSampler(pipe) as mem:
+        th = threading.Thread(target=load, daemon=True)
+        th.start()
+        time.sleep(3.0)
+        n_before = len(accepted)
+        t_down = time.time()
+        pipe.redis_server.stop()  # SIGTERM: redis writes out its AOF
+        down_codes: Counter = Counter()
+        with httpx.Client(base_url=pipe.lp.api_url, timeout=20) as c:
+            end = time.monotonic() + 3.0
+            while time.monotonic() < end:
+                for path in ("/healthz", f"/v1/jobs/{accepted[-1]}"):
+                    r = c.get(path)
+                    down_codes[r.status_code] += 1
+                    check_error_body(r)
+                time.sleep(0.2)
+        pipe.redis_server.start()
+        t_up = time.time()
+        # the API answers again, by itself
+        rel.wait_until(lambda: _get_ok(pipe, "/healthz"), 30, what="the API to see Redis again")
+        api_back_s = time.time() - t_up
+        time.sleep(4.0)
+        stop.set()
+        th.join(30)
+        # a fresh job after the restart runs end to end: every worker reconnected
+        fresh = pipe.submit(_body(10_000))
+        fresh_view = pipe.wait_all([fresh], timeout=60)[fresh]
+        fresh_s = fresh_view["_seen_at"] - t_up
+        views = pipe.wait_all(accepted, timeout=JOB_TIMEOUT_S + 30)
+    watch.close()
+    statuses = Counter(v["status"] for v in views.values())
+    for v in views.values():
+        assert v["status"] in ("succeeded", "failed", "expired"), v
+        if v["status"] != "succeeded":
+            assert v["error"] and v["error"]["message"], v
+        # nothing outlived its deadline by more than the watchdog's grace and round
+        assert v["_seen_at"] <= v["deadline"] + pipe.s.watchdog_grace_s + pipe.s.watchdog_interval_s + 3, v
+    assert fresh_view["status"] == "succeeded", fresh_view
+    assert not bad, bad
+    assert down_codes[503] > 0 and not [c for c in down_codes if c != 503], down_codes
+    for kind in ("preprocess", "inference", "postprocess", "api"):
+        assert pipe.alive(kind), f"{kind} died: {pipe.log(kind)[-2000:]}"
+    rel.record({
+        "scenario": "Redis restart under load (AOF)", "sent": len(accepted), "completed": statuses["succeeded"],
+        "lost": 0, "duplicated": len(watch.duplicated(accepted)), "failed": statuses["failed"],
+        "expired": statuses["expired"], "accepted_before_stop": n_before,
+        "redis_down_s": round(t_up - t_down, 2), "api_back_s": round(api_back_s, 2),
+        "recovery_s": round(fresh_s, 2), "http_codes": dict(codes), "codes_while_down": dict(down_codes),
+        "peak_rss_mb": mem.total_peak_mb, "redis_peak_mb": round(mem.redis_used_peak, 1),
+        "wall_s": round(time.time() - t0, 1),
+    })
+    print(json.dumps(dict(statuses)))
+
+
+def _get_ok(pipe, path: str) -> bool:
+    try:
+        return httpx.get(pipe.lp.api_url + path, timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
