@@ -57,7 +57,7 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
             return served
         raise NotFoundError(f"model {name!r} is not served here; this server serves {served!r}", param="model")
 
-    def limits(n: int, max_tokens: int) -> None:
+    def limits(n: int) -> None:
         if n > settings.max_n:
             raise BadRequestError(f"n may be at most {settings.max_n} (max_n); got {n}", param="n")
 
@@ -98,7 +98,7 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
         if req.echo or req.logprobs is not None:
             raise BadRequestError("echo and logprobs are not supported", param="echo" if req.echo else "logprobs")
         max_tokens = req.max_tokens or 16
-        limits(req.n, max_tokens)
+        limits(req.n)
 
         def chunk(job_id, i, text, finish):
             return {"id": f"cmpl-{job_id}", "object": "text_completion", "created": int(time.time()), "model": model,
@@ -119,7 +119,7 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
         if req.logprobs:
             raise BadRequestError("logprobs are not supported", param="logprobs")
         max_tokens = req.max_completion_tokens or req.max_tokens or settings.default_max_tokens
-        limits(req.n, max_tokens)
+        limits(req.n)
 
         def chunk(job_id, i, text, finish):
             delta = {"content": text} if text or finish is None else {}
