@@ -56,9 +56,10 @@ broker_transport_options = {
     # Scan for unacked messages of dead workers this often (kombu's default is ~100 s).
     "unacked_restore_interval": _s.unacked_restore_interval_s,
     "unacked_restore_throttle": 1,
-    # The sweep's mutex outlives a worker killed mid-sweep by this long (kombu: 300 s), which
-    # would add to the recovery time; a sweep takes milliseconds.
-    "unacked_mutex_expire": 30,
+    # The sweep's mutex outlives a worker killed mid-sweep by this long (kombu: 300 s), and
+    # that adds to the recovery time; a sweep takes milliseconds, and restores are
+    # transactions, so overlapping sweeps are safe.
+    "unacked_mutex_expire": int(min(30, max(2, _s.effective_visibility_timeout_s / 5))),
 }
 # Job results live this long; the API's job records share the same TTL.
 result_expires = _s.result_ttl_s

@@ -17,6 +17,7 @@ from api.jobs import JobService
 from api.metrics_route import build_registries
 from api.metrics_route import router as metrics_router
 from api.result_backend import polling_backend_url
+from api.routes_admin import router as admin_router
 from api.routes_jobs import router as jobs_router
 from api.routes_openai import router as openai_router
 from api.schemas import ErrorResponse
@@ -81,6 +82,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(jobs_router(service, waiter), dependencies=auth)
     app.include_router(openai_router(service, waiter, settings, detok), dependencies=auth)
     app.include_router(metrics_router(build_registries(r)), dependencies=auth)
+    app.include_router(admin_router(r, settings.deadletter_ttl_s, settings.deadletter_max_entries), dependencies=auth)
 
     @app.get("/healthz", tags=["ops"], responses={503: {"model": ErrorResponse, **errors.ERROR_RESPONSES[503]}})
     def healthz():

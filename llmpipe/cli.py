@@ -127,6 +127,15 @@ def model(name, dest):
     click.echo(str(path))
 
 
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.pass_context
+def deadletter(ctx):
+    """List (or --purge) dead-lettered requests: [--json] [--limit N] [--purge] [--redis-url URL]."""
+    from llmpipe.deadletter import main as deadletter_main
+
+    sys.exit(deadletter_main(ctx.args))
+
+
 from llmpipe.client_cli import chat, submit  # noqa: E402
 
 main.add_command(submit)

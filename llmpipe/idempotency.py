@@ -11,7 +11,9 @@ runs through :class:`StageMemo`:
    and counts the delivery;
 2. a stored result is returned as is (a *replay*): the engine does not run again;
 3. otherwise the stage runs and ``finish`` stores its result with HSETNX: the first
-   result stored wins, and a concurrent duplicate returns the winner, never its own.
+   result stored wins, and a concurrent duplicate returns the winner, never its own; a
+   duplicate in the same process (a message redelivered while it still runs there) waits
+   for the run in progress instead of running too.
 
 One Redis hash per request (``llmpipe:idem:{request_id}``) holds every stage's result and
 delivery count. It expires at the job's deadline plus ``slack_s`` (the longest a message
@@ -30,7 +32,9 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
+from concurrent.futures import Future
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -45,6 +49,7 @@ class Outcome(StrEnum):
     COMPUTED = "computed"  # this run's result was stored and returned
     REPLAYED = "replayed"  # an earlier run's result was returned; nothing ran
     LOST_RACE = "lost_race"  # this run computed, but a concurrent duplicate stored first; its result was returned
+    COALESCED = "coalesced"  # a duplicate running in this process at the same time: waited for its result
     OVER_LIMIT = "over_limit"  # delivered too often: not run, ``over_limit``'s result returned
 
 
@@ -64,6 +69,8 @@ class StageMemo:
         self.slack_s = slack_s
         self.max_deliveries = max_deliveries
         self._clock = clock
+        self._inflight: dict[str, Future] = {}  # this process's runs in progress
+        self._lock = threading.Lock()
 
     def begin(self, stage: str, request_id: str, deadline: float) -> Claim:
         key = memo_key(request_id)
@@ -104,6 +111,33 @@ class StageMemo:
                       request_id, stage, claim.deliveries, self.max_deliveries)
             value, _ = self.finish(stage, request_id, over_limit(claim.deliveries))
             return value, Outcome.OVER_LIMIT
+        # The same message twice in this process at once (delivered again while it still
+        # runs here): the second waits for the first instead of running the stage again.
+        key = f"{stage}:{request_id}"
+        with self._lock:
+            running = self._inflight.get(key)
+            if running is None:
+                mine: Future = Future()
+                self._inflight[key] = mine
+        if running is not None:
+            try:
+                value = running.result(timeout=max(1.0, deadline - self._clock() + 5.0))
+                log.info("request=%s stage=%s duplicate joined the run in progress", request_id, stage)
+                return value, Outcome.COALESCED
+            except Exception:  # the first run failed or hangs: run it here
+                return self._compute(stage, request_id, compute)
+        try:
+            value, how = self._compute(stage, request_id, compute)
+            mine.set_result(value)
+            return value, how
+        except BaseException as exc:
+            mine.set_exception(exc)
+            raise
+        finally:
+            with self._lock:
+                self._inflight.pop(key, None)
+
+    def _compute(self, stage: str, request_id: str, compute: Callable[[], dict]) -> tuple[dict, Outcome]:
         value, ours = self.finish(stage, request_id, compute())
         if not ours:
             log.warning("request=%s stage=%s ran twice at once; returning the result stored first", request_id, stage)

@@ -14,6 +14,7 @@ from typing import Any
 from llmpipe.messages import JobStatus
 
 _KEY = "llmpipe:job:{}"
+DEADLINE_INDEX = "llmpipe:job-deadlines"  # read by llmpipe.watchdog
 
 
 def done_channel(job_id: str) -> str:
@@ -80,6 +81,8 @@ class JobStore:
             fields["meta"] = json.dumps(meta)
         p.hset(self.key(job_id), mapping=fields)
         p.expire(self.key(job_id), self.ttl_s)
+        # The watchdog settles the job at its deadline if nothing else has by then.
+        p.zadd(DEADLINE_INDEX, {job_id: deadline})
         if pipe is None:
             p.execute()
 

@@ -66,6 +66,7 @@ class Child:
     proc: subprocess.Popen | None = None
     color: str = "white"
     tail: list[str] = field(default_factory=list)
+    restarts: int = 0
 
     @property
     def running(self) -> bool:
@@ -91,6 +92,18 @@ class Supervisor:
         )
         self.children.append(child)
         t = threading.Thread(target=self._pump, args=(child,), daemon=True, name=f"log-{name}")
+        t.start()
+        self._threads.append(t)
+        return child
+
+    def respawn(self, child: Child) -> Child:
+        """Start ``child``'s command again in its place (same name, log file and colour)."""
+        child.proc = subprocess.Popen(
+            child.argv, env=child.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            preexec_fn=die_with_parent(), text=True, bufsize=1, errors="replace",
+        )
+        child.restarts += 1
+        t = threading.Thread(target=self._pump, args=(child,), daemon=True, name=f"log-{child.name}")
         t.start()
         self._threads.append(t)
         return child

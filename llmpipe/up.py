@@ -108,9 +108,10 @@ def run_up(s: Settings, *, flower: bool = True, echo: bool = True, redis_explici
         while not stopping.is_set():
             dead = pipeline.first_exited()
             if dead is not None:
-                from llmpipe.local import exit_reason
+                if not _restart_after_engine_death(pipeline, dead, console):
+                    from llmpipe.local import exit_reason
 
-                raise PipelineError(exit_reason(dead))
+                    raise PipelineError(exit_reason(dead))
             stopping.wait(0.5)
         code = 0 if ready else 130
     except _Interrupted:
@@ -142,6 +143,23 @@ def run_up(s: Settings, *, flower: bool = True, echo: bool = True, redis_explici
         if pipeline is not None or embedded is not None:
             console.print("stopped" + (" (forced)" if force.is_set() else ""))
     return code
+
+
+MAX_ENGINE_RESTARTS = 5
+
+
+def _restart_after_engine_death(pipeline: LocalPipeline, dead, console: Console) -> bool:
+    """An inference worker whose engine died has requeued its requests and exited with
+    ENGINE_DEAD_EXIT: start a new one, a few times, so the requeued requests are served."""
+    from workers.context import ENGINE_DEAD_EXIT
+
+    if dead.name != "inference" or dead.proc.returncode != ENGINE_DEAD_EXIT or dead.restarts >= MAX_ENGINE_RESTARTS:
+        return False
+    console.print(f"inference: engine died (exit {ENGINE_DEAD_EXIT}); restarting the worker "
+                  f"({dead.restarts + 1} of {MAX_ENGINE_RESTARTS})", style="yellow")
+    time.sleep(min(30.0, 2.0 ** dead.restarts))
+    pipeline.sup.respawn(dead)
+    return True
 
 
 def _safe(url: str) -> str:

@@ -33,12 +33,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from llmpipe.jobs import JobStore
+from llmpipe.jobs import DEADLINE_INDEX, JobStore
 from llmpipe.messages import JobStatus
 
 log = logging.getLogger("llmpipe.watchdog")
 
-INDEX_KEY = "llmpipe:job-deadlines"
+INDEX_KEY = DEADLINE_INDEX
 LOCK_KEY = "llmpipe:watchdog:lock"
 _TERMINAL = {s.value for s in JobStatus if s.terminal}
 

@@ -12,7 +12,7 @@ def inference(msg: dict) -> dict:
     if req.error is not None:
         return _infer(req)
     # Idempotent by request id: a redelivered or duplicated message returns the result
-    # stored by the first run, and the engine never runs it twice (llmpipe/idempotency.py).
+    # stored by the first run instead of running the engine again (llmpipe/idempotency.py).
     value, _ = context().memo.run(Stage.INFERENCE.value, req.request_id, req.deadline, lambda: _infer(req),
                                   over_limit=lambda n: _over_limit(req, n))
     return value

@@ -116,6 +116,34 @@ def _dead_letter(sender=None, task_id=None, exception=None, args=None, kwargs=No
         log.exception("could not dead-letter task %s", task_id)
 
 
+def _survive_broker_loss_with_unacked_messages() -> None:
+    """Work around a kombu 5.7 bug that kills a worker when Redis goes away while it holds
+    unacked messages (seen in tests/reliability/test_redis_restart.py): Celery's
+    ``on_connection_error_after_connected`` collects the connection, which detaches the
+    transport (``transport.client = None``), then closes it again; the second close asks the
+    Redis channel to restore its unacked messages, whose ``_connparams`` dereferences the
+    detached client: AttributeError, "Unrecoverable error", and the worker exits. A detached
+    transport is a connection error instead: the close goes on, the consumer reconnects, and
+    the unacked messages come back by the visibility timeout as after any crash."""
+    import redis
+    from kombu.transport import redis as kombu_redis
+
+    original = kombu_redis.Channel._connparams
+    if getattr(original, "_llmpipe_patched", False):
+        return
+
+    def _connparams(self, asynchronous=False):
+        if getattr(self.connection, "client", None) is None:
+            raise redis.exceptions.ConnectionError("the broker connection was already released")
+        return original(self, asynchronous=asynchronous)
+
+    _connparams._llmpipe_patched = True
+    kombu_redis.Channel._connparams = _connparams
+
+
+_survive_broker_loss_with_unacked_messages()
+
+
 if os.environ.get("LLMPIPE_FAULT_INJECT"):  # tests only (llmpipe/engines/faulty.py)
     from llmpipe.engines.faulty import install_task_hooks
 

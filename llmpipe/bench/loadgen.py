@@ -219,13 +219,14 @@ async def run_load(
     timeout_s: float | None = 300.0,
     on_done: Callable[[Sample], None] | None = None,
 ) -> list[Sample]:
-    """Send ``requests`` requests (or as many as fit in ``duration_s``), closed loop with
+    """Send ``requests`` requests (or as many as ``duration_s`` allows, whichever ends first),
+    closed loop with
     ``concurrency`` clients or open loop at ``rate`` requests/s; samples in issue order.
     A request without a complete answer after ``timeout_s`` counts as an error."""
     if (concurrency is None) == (rate is None):
         raise ValueError("give exactly one of concurrency or rate")
     deadline = time.monotonic() + duration_s if duration_s else None
-    limit = requests if not deadline else 10**9
+    limit = requests or 10**9
     samples: list[Sample] = []
 
     def more(i: int) -> bool:

@@ -30,17 +30,17 @@ QUICK_MODES = {"noop": ["pipeline-window50"], "simulated": ["serial", "pipeline-
 VLLM_ONLY = {"pipeline-continuous", "vllm-serve"}
 
 
-def default_requests(engine: str, mode: str, load: Load) -> int:
-    """Enough requests for a steady state, and no more: serial modes at concurrency 64 on
-    the simulated GPU already take a minute."""
+def default_requests(engine: str, mode: str, load: Load) -> tuple[int, float | None]:
+    """(requests, seconds cap): enough for a steady state and no more; serial modes at
+    concurrency 64 on the simulated GPU alone take most of a minute."""
     if load.rate is not None:
-        return max(20, int(load.rate * 20))
+        return max(20, int(load.rate * 20)), None
     c = load.concurrency or 1
     if engine == "noop":
-        return 60 if c == 1 else 12 * c
+        return (60, None) if c == 1 else (12 * c, 12.0)
     if engine == "simulated":
-        return (4 * c + 16) if MODES[mode].batched else (2 * c + 16)
-    return 3 * c if MODES[mode].batched else 2 * c
+        return ((4 * c + 16) if MODES[mode].batched else (c + 16 + c // 2)), None
+    return (3 * c if MODES[mode].batched else 2 * c), None
 
 
 @dataclass
@@ -97,8 +97,9 @@ def build_plans(o: Options, model_path: str, tokenizer, console=None) -> list[En
         for m in modes:
             loads = []
             for ld in loads_spec:
-                n = o.requests or prof.get("requests") or default_requests(key, m, ld)
-                loads.append(Load(ld.concurrency, ld.rate, n))
+                n, cap = default_requests(key, m, ld)
+                n = o.requests or prof.get("requests") or n
+                loads.append(Load(ld.concurrency, ld.rate, n, None if o.requests else cap))
             points.append((m, loads))
         need = max(sum(ld.requests for ld in loads) for _, loads in points) + 4
         api = o.api if o.api != "auto" else prof["api"]

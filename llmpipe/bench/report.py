@@ -48,8 +48,8 @@ def cpu_table(rows: list[dict]) -> list[str]:
     if not have:
         return []
     groups = [g for g in STAGE_ORDER if any(g in r["cpu"]["cpu_s"] for r in have)]
-    out = ["| mode | load | wall s | " + " | ".join(groups) + " | other processes |",
-           "|---|---|---|" + "---|" * len(groups) + "---|"]
+    out = ["| mode | load | wall s | " + " | ".join(groups) + " | other processes | servers: CPU ms/req → req/s bound |",
+           "|---|---|---|" + "---|" * len(groups) + "---|---|"]
     for r in have:
         c, n = r["cpu"], max(1, r["requests"])
         cells = []
@@ -57,6 +57,10 @@ def cpu_table(rows: list[dict]) -> list[str]:
             v = c["cpu_s"].get(g)
             cells.append("" if v is None else f"{v / c['wall_s'] * 100:.0f}% ({v / n * 1000:.1f} ms/req)")
         cells.append(f"{c['other_cpu_s'] / c['wall_s'] * 100:.0f}%")
+        # What the serving processes (not the load generator) burn per request, and the
+        # throughput all the machine's cores would allow at that cost.
+        ms = sum(v for g, v in c["cpu_s"].items() if g != "loadgen") / n * 1000
+        cells.append(f"{ms:.1f} → {c['cores'] * 1000 / ms:.0f}" if ms > 0 else "n/a")
         out.append(f"| {r['mode']} | {r['load']} | {c['wall_s']:.1f} | " + " | ".join(cells) + " |")
     return out
 
@@ -73,6 +77,38 @@ def redis_table(rows: list[dict]) -> list[str]:
         out.append(f"| {r['mode']} | {r['load']} | {d['commands_per_request']:.1f} | {top} | "
                    f"{d['bytes_in_per_request'] / 1024:.1f} KiB / {d['bytes_out_per_request'] / 1024:.1f} KiB |")
     return out
+
+
+def breakdown_table(rows: list[dict]) -> list[str]:
+    have = [r for r in rows if (r.get("summary") or {}).get("stage_p50_s")]
+    if not have:
+        return []
+    out = ["| mode | load | preprocess wait / run | inference wait / run (batch wait + engine) | postprocess wait / run "
+           "| rest: API, chord collect, result, HTTP (≈) | end-to-end p50 |", "|---|---|---|---|---|---|---|"]
+    for r in have:
+        st, e2e = r["summary"]["stage_p50_s"], r["summary"]["latency_s"]["p50"]
+        cells, total = [], 0.0
+        for stage in ("preprocess", "inference", "postprocess"):
+            w, run = st.get(stage, {}).get("queue_wait_s", 0.0), st.get(stage, {}).get("run_s", 0.0)
+            total += w + run
+            cells.append(f"{_ms(w)} / {_ms(run)}")
+        out.append(f"| {r['mode']} | {r['load']} | " + " | ".join(cells) + f" | {_ms(max(0.0, e2e - total))} | {_ms(e2e)} |")
+    return out
+
+
+def trace_table(rows: list[dict]) -> list[str]:
+    have = [r for r in rows if r.get("redis_trace")]
+    if not have:
+        return []
+    t = have[0]["redis_trace"]
+    out = [f"Redis commands per request by purpose ({have[0]['mode']}: MONITOR while {t['requests']} requests ran one "
+           f"at a time; background of {t['background_per_s']:g} commands/s subtracted):", "",
+           "| purpose | commands / request | by command |", "|---|---|---|"]
+    for k, v in t["per_request"].items():
+        out.append(f"| {k} | {v:g} | {', '.join(f'{c} {n:g}' for c, n in t['commands'][k].items())} |")
+    out.append(f"| **total** | **{t['total_per_request']:g}** | |")
+    others = ", ".join(f"{r['mode']} {r['redis_trace']['total_per_request']:g}" for r in have[1:])
+    return out + ([f"", f"Totals of the other traced modes: {others}."] if others else [])
 
 
 def targets_table(targets: list[dict]) -> list[str]:
@@ -97,15 +133,24 @@ def markdown(result: dict, plots: dict[str, list[str]]) -> str:
         lines += [f"## {plan['label']}", "", f"Engine `{key}`. {plan['settings_text']}", ""]
         lines += [f"- {n}" for n in plan["notes"]] + ([""] if plan["notes"] else [])
         lines += results_table(rows) + [""]
-        lines += ["CPU per stage, as % of one core over the load point (and CPU ms per request):", ""] + cpu_table(rows) + [""]
+        lines += ["CPU per stage, as % of one core over the load point (and CPU ms per request); the last column is "
+                  "the serving processes' CPU per request and the req/s that all cores could sustain at that cost:",
+                  ""] + cpu_table(rows) + [""]
+        bt = breakdown_table(rows)
+        if bt:
+            lines += ["Where the time goes (p50 of the server's per-stage timings, ms):", ""] + bt + [""]
         rt = redis_table(rows)
         if rt:
-            lines += ["Redis traffic (INFO commandstats deltas):", ""] + rt + [""]
+            lines += ["Redis traffic (INFO commandstats deltas over the load point):", ""] + rt + [""]
+        tt = trace_table(rows)
+        if tt:
+            lines += tt + [""]
         for p in plots.get(key, []):
             lines += [f"![{p}]({p})", ""]
     lines += ["Latency: client-observed, from sending the request to having the whole result; the first "
               "`concurrency` requests of a closed loop (its initial burst) are left out. Throughput: completions per "
-              "second from the first measured request to the last completion. Engine busy: share of that window in "
+              "second from the first measured request's start to the last request's start (steady state, before the "
+              "load drains). Engine busy: share of that window in "
               "which the engine had work, from the union of per-request engine intervals (stage timings + "
               "engine_time_s) where the server reports them, else '(client)': union of in-flight requests, an upper "
               "bound. TTFT: only where the client streams (/v1/completions); n/a on the job API.", ""]

@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from llmpipe.bench.cpu import CpuSampler, redis_delta, redis_snapshot, self_pid
 from llmpipe.bench.loadgen import JobsClient, OpenAIClient, enrich, run_load
 from llmpipe.bench.modes import MODES, EngineSetup, Server, start_server
+from llmpipe.bench.redis_trace import trace
 from llmpipe.bench.stats import cdf_points, summarize
 
 
@@ -23,7 +24,8 @@ from llmpipe.bench.stats import cdf_points, summarize
 class Load:
     concurrency: int | None = None
     rate: float | None = None
-    requests: int = 0
+    requests: int = 0  # 0: as many as max_s allows
+    max_s: float | None = None  # stop sending after this long
 
     @property
     def label(self) -> str:
@@ -55,6 +57,7 @@ class RunConfig:
     duration_s: float | None = None
     warm_requests: int = 2
     request_timeout_s: float = 300.0
+    redis_trace: bool = True  # MONITOR a few idle requests on the noop pipelines
     seed: int = 0
 
 
@@ -100,6 +103,7 @@ def run_plans(plans: list[EnginePlan], cfg: RunConfig, redis_url: str, console: 
                     base = 0
                     for load in loads:
                         progress.update(step, description=f"{tag} {load.label}", total=load.requests or None, completed=0)
+                        load = Load(load.concurrency, load.rate, 0 if cfg.duration_s else load.requests, load.max_s)
                         row = _measure(plan, server, client, load, cfg, r, base, progress, step)
                         row["startup_s"] = startup_s
                         rows.append(row)
@@ -108,6 +112,9 @@ def run_plans(plans: list[EnginePlan], cfg: RunConfig, redis_url: str, console: 
                         lat = row["summary"]["latency_s"]["p50"]
                         console.print(f"{tag} {load.label}: {row['summary']['throughput_rps']:.2f} req/s, "
                                       f"p50 {lat * 1000 if lat else float('nan'):.0f} ms, errors {row['summary']['errors']}")
+                    if plan.setup.key == "noop" and mode.kind == "pipeline" and cfg.redis_trace:
+                        progress.update(step, description=f"{tag}: Redis MONITOR trace")
+                        rows[-len(loads)]["redis_trace"] = trace(redis_url, lambda: _sequential(client, plan, 10, cfg))
                 except Exception as e:
                     console.print(f"[red]{tag}: failed: {e}[/]")
                     console.print(traceback.format_exc(limit=3), markup=False)
@@ -118,10 +125,18 @@ def run_plans(plans: list[EnginePlan], cfg: RunConfig, redis_url: str, console: 
                             progress.advance(overall)
                 finally:
                     progress.update(step, description=f"{tag}: stopping")
+                    t_stop = time.monotonic()
                     server.stop()
+                    if rows and rows[-1]["mode"] == mode_name:
+                        rows[-1]["stop_s"] = time.monotonic() - t_stop
                     progress.remove_task(step)
     r.close()
     return rows
+
+
+def _sequential(client, plan: EnginePlan, n: int, cfg: RunConfig) -> int:
+    samples = asyncio.run(run_load(client, plan.prompts[:n], requests=n, concurrency=1, timeout_s=cfg.request_timeout_s))
+    return sum(s.ok for s in samples)
 
 
 def _row(plan: EnginePlan, mode: str, load: Load, **kw) -> dict:
@@ -143,7 +158,7 @@ def _measure(plan: EnginePlan, server: Server, client, load: Load, cfg: RunConfi
             groups["redis"] = [int(pid)]
     sampler = CpuSampler(groups).start()
     samples = asyncio.run(run_load(client, prompts, requests=n, concurrency=load.concurrency, rate=load.rate,
-                                   duration_s=cfg.duration_s, seed=cfg.seed, timeout_s=cfg.request_timeout_s,
+                                   duration_s=cfg.duration_s or load.max_s, seed=cfg.seed, timeout_s=cfg.request_timeout_s,
                                    on_done=lambda s: progress.advance(step)))
     cpu = sampler.stop()
     if client.protocol == "openai" and "jobs" in server.protocols:

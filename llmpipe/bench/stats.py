@@ -45,13 +45,18 @@ def summarize(samples: list[Sample], warmup: int) -> dict:
 
     The first ``warmup`` requests (in issue order: the initial burst of a closed loop) are
     left out of the latency figures. Throughput is the rate of completions in the window
-    from the first measured request's start to the last completion.
+    from the first measured request's start to the last request's start (the steady state,
+    before the load drains).
     """
     measured = [s for s in samples if s.i >= warmup] or samples
     ok = [s for s in measured if s.ok]
     errors = [s for s in measured if not s.ok]
     lo = min((s.start for s in measured), default=0.0)
-    hi = max((s.end for s in samples if s.ok), default=lo)
+    # Steady state: up to the last request sent (after it the load drains); a window
+    # without completions falls back to the last completion.
+    hi = max((s.start for s in samples), default=lo)
+    if not any(s.ok and lo < s.end <= hi for s in samples):
+        hi = max((s.end for s in samples if s.ok), default=lo)
     window = max(hi - lo, 1e-9)
     done = [s for s in samples if s.ok and lo < s.end <= hi]
     lat = [s.latency_s for s in ok]

@@ -164,3 +164,19 @@ def test_openapi_documents_every_endpoint_and_error(client):
         assert method in paths[path], (path, method)
     assert {"400", "429", "422", "503", "401", "403", "413"} <= set(paths["/v1/jobs"]["post"]["responses"])
     assert "404" in paths["/v1/jobs/{job_id}"]["get"]["responses"]
+
+
+def test_deadletters_are_listed_and_removed(client, redis_client):
+    from llmpipe.deadletter import DeadLetters
+
+    e = DeadLetters(redis_client).record(stage="inference", reason="engine_error", message="boom", job_id="j", request_id="j-0")
+    body = client.get("/v1/admin/deadletters").json()
+    assert body["count"] == 1 and body["data"][0]["request_id"] == "j-0"
+    assert client.delete(f"/v1/admin/deadletters/{e['id']}").status_code == 204
+    assert client.delete(f"/v1/admin/deadletters/{e['id']}").status_code == 404
+    assert client.get("/v1/admin/deadletters").json()["count"] == 0
+
+
+def test_job_records_are_indexed_for_the_watchdog(client, redis_client):
+    job_id = client.post("/v1/jobs", json={"prompt": "x", "timeout": 5}).json()["id"]
+    assert redis_client.zscore("llmpipe:job-deadlines", job_id) is not None

@@ -182,3 +182,17 @@ def test_stop_after_children_exited_is_harmless(tmp_path):
     assert _wait_for(lambda: child.proc.poll() is not None)
     assert sup.stop(timeout=1)
     assert sup.exited() == [child]
+
+
+def test_respawn_restarts_an_exited_child_in_place(tmp_path):
+    console, _ = _console()
+    sup = Supervisor(tmp_path, console=console)
+    child = sup.spawn("worker", _py("import sys; print('run', flush=True); sys.exit(70)"), python_env({}))
+    assert _wait_for(lambda: child.proc.poll() is not None)
+    first_pid = child.proc.pid
+    assert child.proc.returncode == 70 and sup.exited() == [child]
+    sup.respawn(child)
+    assert child.restarts == 1 and child.proc.pid != first_pid
+    assert _wait_for(lambda: child.proc.poll() is not None)
+    sup.stop(timeout=5)
+    assert (tmp_path / "worker.log").read_text().count("run") == 2  # one log file across restarts

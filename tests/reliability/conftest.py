@@ -38,8 +38,9 @@ FAULTS = {
     "die_always": "KILLSEVERYWORKER",
     "ledger": True,
 }
-VISIBILITY_S = 6.0
+VISIBILITY_S = 10.0
 RESTORE_S = 1.0
+MUTEX_S = 2.0  # kombu's restore-sweep lock expiry that celeryconfig derives (visibility / 5)
 
 ROWS: list[dict] = []
 
@@ -314,8 +315,13 @@ class Pipe:
 
         self.r.delete(STARTED_KEY, DONE_KEY, DIED_KEY)
 
-    def unacked_before(self, t: float) -> int:
-        return int(self.r.zcount("unacked_index", "-inf", t))
+    def unacked_before(self, t: float, queue: str | None = None) -> int:
+        """Messages delivered before ``t`` and not acked yet (of ``queue`` only, if given)."""
+        if queue is None:
+            return int(self.r.zcount("unacked_index", "-inf", t))
+        tags = self.r.zrangebyscore("unacked_index", "-inf", t)
+        raw = self.r.hmget("unacked", tags) if tags else []
+        return sum(1 for v in raw if v and json.loads(v)[2] == queue)
 
     def queues_idle(self) -> bool:
         lens = [self.r.llen(q) for q in ("preprocess", "inference", "postprocess", "collect")]
@@ -403,6 +409,7 @@ def fuzz(schema, *, examples: int, include=lambda op: True, **call_kwargs) -> tu
 @pytest.fixture(scope="session")
 def rel():
     return SimpleNamespace(
-        FAULTS=FAULTS, VISIBILITY_S=VISIBILITY_S, RESTORE_S=RESTORE_S, record=record, wait_until=wait_until,
+        FAULTS=FAULTS, VISIBILITY_S=VISIBILITY_S, RESTORE_S=RESTORE_S, MUTEX_S=MUTEX_S, record=record,
+        wait_until=wait_until,
         start_pipe=start_pipe, stop_pipe=stop_pipe, ResultWatch=ResultWatch, MemSampler=MemSampler, fuzz=fuzz,
     )

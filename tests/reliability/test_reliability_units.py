@@ -65,8 +65,8 @@ def test_stages_are_memoised_separately(redis_client):
     assert memo.run("postprocess", "j-1", d, lambda: {"s": "post"})[0] == {"s": "post"}
 
 
-def test_concurrent_duplicates_both_return_the_result_stored_first(redis_client):
-    memo = StageMemo(redis_client, slack_s=60)
+def test_concurrent_duplicates_in_two_processes_both_return_the_result_stored_first(redis_client):
+    memos = {"a": StageMemo(redis_client, slack_s=60), "b": StageMemo(redis_client, slack_s=60)}  # two workers
     d = time.time() + 30
     gate = threading.Barrier(2)
     out = []
@@ -76,7 +76,7 @@ def test_concurrent_duplicates_both_return_the_result_stored_first(redis_client)
             gate.wait(5)  # both have begun (nothing stored) before either stores
             return {"by": tag}
 
-        out.append(memo.run("inference", "j-2", d, compute))
+        out.append(memos[tag].run("inference", "j-2", d, compute))
 
     ts = [threading.Thread(target=run, args=(t,)) for t in ("a", "b")]
     for t in ts:
@@ -86,6 +86,31 @@ def test_concurrent_duplicates_both_return_the_result_stored_first(redis_client)
     values = [v for v, _ in out]
     assert values[0] == values[1]
     assert sorted(h.value for _, h in out) == ["computed", "lost_race"]
+
+
+def test_a_duplicate_in_the_same_process_joins_the_run_in_progress(redis_client):
+    memo = StageMemo(redis_client, slack_s=60)
+    d = time.time() + 30
+    started, release, calls, out = threading.Event(), threading.Event(), [], []
+
+    def compute():
+        calls.append(1)
+        started.set()
+        release.wait(5)
+        return {"n": len(calls)}
+
+    t1 = threading.Thread(target=lambda: out.append(memo.run("inference", "j-6", d, compute)))
+    t1.start()
+    started.wait(5)
+    t2 = threading.Thread(target=lambda: out.append(memo.run("inference", "j-6", d, compute)))
+    t2.start()
+    time.sleep(0.2)
+    release.set()
+    t1.join(5)
+    t2.join(5)
+    assert len(calls) == 1
+    assert sorted(h.value for _, h in out) == ["coalesced", "computed"]
+    assert out[0][0] == out[1][0] == {"n": 1}
 
 
 def test_delivery_limit_stops_a_request_that_kills_its_worker(redis_client):

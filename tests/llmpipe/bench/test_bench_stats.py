@@ -43,9 +43,12 @@ def test_summarize_leaves_out_the_warmup_and_counts_the_window():
     s = summarize(samples, warmup=1)
     assert s["measured"] == 4 and s["ok"] == 3 and s["errors"] == 1 and s["first_error"] == "boom"
     assert s["latency_s"]["p50"] == pytest.approx(1.0)
-    # window: first measured start (1.0) to last completion (10.0); completions in it: 4
-    assert s["window_s"] == pytest.approx(9.0)
-    assert s["throughput_rps"] == pytest.approx(4 / 9.0)
+    # window: first measured start (1.0) to the last request sent (3.5); completions in it: 2
+    assert s["window_s"] == pytest.approx(2.5)
+    assert s["throughput_rps"] == pytest.approx(2 / 2.5)
+    # no completion before the last send: up to the last completion instead
+    late = summarize([_sample(0, 0.0, 5.0), _sample(1, 0.5, 5.0)], warmup=0)
+    assert late["window_s"] == pytest.approx(5.5) and late["throughput_rps"] == pytest.approx(2 / 5.5)
     assert s["engine_busy"]["method"].startswith("client")
     assert s["ttft_s"] is None and s["batch_sizes"] is None
 
@@ -57,3 +60,15 @@ def test_summarize_uses_server_engine_intervals_and_batch_sizes():
     assert s["engine_busy"]["fraction"] == pytest.approx(1.0 / 4.0)
     assert s["batch_sizes"] == {"2": 4} and s["batch_size_mean"] == 2
     assert s["overhead_s"]["p50"] == pytest.approx(0.75)
+
+
+def test_redis_trace_classifies_commands_by_purpose():
+    from llmpipe.bench.redis_trace import classify
+
+    assert classify('"LPUSH" "preprocess" "{}"') == ("broker: task queues", "LPUSH")
+    assert classify('"BRPOP" "inference" "inference\\x06\\x163" "1"') == ("broker: task queues", "BRPOP")
+    assert classify('"ZADD" "unacked_index" "1" "x"')[0].startswith("broker: unacked")
+    assert classify('"PUBLISH" "/0.celeryev/task.succeeded" "{}"')[0].startswith("worker events")
+    assert classify('"SETEX" "celery-task-meta-abc" "86400" "{}"') == ("result backend: task results", "SETEX")
+    assert classify('"EVALSHA" "deadbeef" "2" "llmpipe:job:abc" "x"') == ("llmpipe:job:*", "EVALSHA")
+    assert classify('"MULTI"')[0].startswith("MULTI/EXEC")
