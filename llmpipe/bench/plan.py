@@ -40,7 +40,7 @@ def default_requests(engine: str, mode: str, load: Load) -> tuple[int, float | N
         return (60, None) if c == 1 else (12 * c, 12.0)
     if engine == "simulated":
         return ((4 * c + 16) if MODES[mode].batched else (c + 16 + c // 2)), None
-    return (3 * c if MODES[mode].batched else 2 * c), None
+    return (4 * c if MODES[mode].batched else 2 * c), None
 
 
 @dataclass

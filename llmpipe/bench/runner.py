@@ -163,9 +163,12 @@ def _measure(plan: EnginePlan, server: Server, client, load: Load, cfg: RunConfi
     cpu = sampler.stop()
     if client.protocol == "openai" and "jobs" in server.protocols:
         asyncio.run(enrich(server.url, samples))
-    summary = summarize(samples, load.warmup)
+    summary = summarize(samples, load.warmup, load.concurrency)
     row = _row(plan, server.mode.name, load, requests=len(samples), warmup=load.warmup, protocol=client.protocol,
-               summary=summary, cpu=cpu, cdf=cdf_points(samples, load.warmup))
+               summary=summary, cpu=cpu, cdf=cdf_points(samples, load.warmup, load.concurrency),
+               samples=[[x.i, round(x.start, 4), round(x.latency_s, 4), x.ok, x.ttft_s and round(x.ttft_s, 4),
+                         x.completion_tokens, x.batch_size, x.engine_time_s and round(x.engine_time_s, 4)]
+                        for x in samples])
     if rinfo is not None:
         row["redis"] = redis_delta(rinfo, redis_snapshot(r), len(samples))
     return row

@@ -40,38 +40,52 @@ def union_length(intervals: list[tuple[float, float]], lo: float, hi: float) -> 
     return total
 
 
-def summarize(samples: list[Sample], warmup: int) -> dict:
+def summarize(samples: list[Sample], warmup: int, concurrency: int | None = None) -> dict:
     """Figures of one load point.
 
-    The first ``warmup`` requests (in issue order: the initial burst of a closed loop) are
-    left out of the latency figures. Throughput is the rate of completions in the window
-    from the first measured request's start to the last request's start (the steady state,
-    before the load drains).
+    Closed loop (``concurrency`` clients): the first ``warmup`` requests (the initial
+    burst) and the last ``concurrency`` ones (sent while the load drains) are left out when
+    that leaves at least 8, else only the first ``warmup``. Throughput is Little's law for
+    a closed loop without think time, concurrency / mean latency of those requests: robust
+    to completions that come in bursts (a batch of 32 finishing at once), unlike a count
+    over a window. Open loop: completions / time from the first measured request's start
+    to the last completion.
     """
     measured = [s for s in samples if s.i >= warmup] or samples
-    ok = [s for s in measured if s.ok]
-    errors = [s for s in measured if not s.ok]
-    lo = min((s.start for s in measured), default=0.0)
-    # Steady state: up to the last request sent (after it the load drains); a window
-    # without completions falls back to the last completion.
-    hi = max((s.start for s in samples), default=lo)
-    if not any(s.ok and lo < s.end <= hi for s in samples):
+    steady = measured
+    if concurrency:
+        last = max((s.i for s in samples), default=0)
+        inner = [s for s in measured if s.i <= last - concurrency]
+        if sum(s.ok for s in inner) >= 8:
+            steady = inner
+    ok = [s for s in steady if s.ok]
+    errors = [s for s in steady if not s.ok]
+    lo = min((s.start for s in steady), default=0.0)
+    hi = max((s.start for s in samples), default=lo)  # the last request sent
+    if sum(s.ok and lo < s.end <= hi for s in samples) < 3:
         hi = max((s.end for s in samples if s.ok), default=lo)
     window = max(hi - lo, 1e-9)
-    done = [s for s in samples if s.ok and lo < s.end <= hi]
+    if concurrency and ok:
+        rps = concurrency / (sum(s.latency_s for s in ok) / len(ok))
+        how = "closed loop: concurrency / mean latency (Little's law)"
+    else:
+        end = max((s.end for s in ok), default=lo)
+        rps = len(ok) / max(end - lo, 1e-9)
+        how = "completions / (last completion - first measured start)"
     lat = [s.latency_s for s in ok]
     ttft = [s.ttft_s for s in ok if s.ttft_s is not None]
     out: dict = {
         "requests": len(samples),
-        "measured": len(measured),
+        "measured": len(steady),
         "ok": len(ok),
         "errors": len(errors),
         "first_error": errors[0].error if errors else None,
         "window_s": window,
         "latency_s": pcts(lat),
         "ttft_s": pcts(ttft) if ttft else None,
-        "throughput_rps": len(done) / window,
-        "output_tok_s": sum(s.completion_tokens for s in done) / window,
+        "throughput_rps": rps,
+        "throughput_method": how,
+        "output_tok_s": rps * (sum(s.completion_tokens for s in ok) / len(ok)) if ok else 0.0,
         "completion_tokens_mean": (sum(s.completion_tokens for s in ok) / len(ok)) if ok else None,
     }
     with_engine = [s for s in samples if s.ok and s.engine_interval is not None]
@@ -103,7 +117,9 @@ def summarize(samples: list[Sample], warmup: int) -> dict:
     return out
 
 
-def cdf_points(samples: list[Sample], warmup: int) -> list[float]:
+def cdf_points(samples: list[Sample], warmup: int, concurrency: int | None = None) -> list[float]:
     """Sorted latencies (seconds) of the measured, successful requests, for the CDF plot."""
+    last = max((s.i for s in samples), default=0)
     measured = [s for s in samples if s.i >= warmup] or samples
-    return sorted(s.latency_s for s in measured if s.ok)
+    inner = [s for s in measured if concurrency and s.i <= last - concurrency and s.ok]
+    return sorted(s.latency_s for s in (inner if len(inner) >= 8 else measured) if s.ok)

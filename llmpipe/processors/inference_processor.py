@@ -59,13 +59,15 @@ class InferenceProcessor:
         self._attempts = retry_attempts
         self._lock = threading.Lock()
         self._running: dict[str, set[str]] = defaultdict(set)  # job id -> request ids in the engine
-        # A continuous engine takes new requests while a batch runs: keep a few batches in
-        # flight so arrivals join vLLM's running batch instead of waiting for it to end.
+        # A continuous engine takes new requests while a batch runs, so batches are not
+        # serialized: arrivals join vLLM's running batch instead of waiting for it to end.
+        # Up to max_size batches may be in flight (batches of one at low load), and vLLM's
+        # own scheduler (max_num_seqs) bounds what actually runs.
         self.batcher: Batcher[TokenizedRequest] = Batcher(
             self._run_batch,
             window_s=window_s,
             max_size=max_size,
-            concurrent_batches=4 if engine.continuous else 1,
+            concurrent_batches=max_size if engine.continuous else 1,
             company_expected=company_expected,
             on_batch=on_batch,
         )

@@ -135,7 +135,19 @@ def _metric(text: str, name: str, labels: str = "") -> float:
 def test_metrics_move_with_traffic(secured_pipeline, client):
     url = secured_pipeline.api_url
     client.completions.create(model=secured_pipeline.s.model, prompt="metrics please", max_tokens=4, temperature=0)
+    # one job that expires and one that is cancelled before it runs
+    late = httpx.post(f"{url}/v1/jobs", json={"prompt": "late", "max_tokens": 2, "timeout": 0.001}, headers=H).json()["id"]
+    gone = httpx.post(f"{url}/v1/jobs", json={"prompt": "gone", "max_tokens": 1500, "ignore_eos": True}, headers=H).json()["id"]
+    httpx.delete(f"{url}/v1/jobs/{gone}", headers=H)
+    import redis
+
+    r = redis.Redis.from_url(secured_pipeline.s.redis_url)
+    end = time.monotonic() + 30
+    while time.monotonic() < end and not all(r.exists(f"celery-task-meta-{j}") for j in (late, gone)):
+        time.sleep(0.1)  # both chords complete: the stages have counted them
     text = httpx.get(f"{url}/metrics", headers=H).text
+    assert _metric(text, "llmpipe_requests_expired_total") > 0
+    assert _metric(text, "llmpipe_requests_cancelled_total") > 0
     for name in [
         "llmpipe_stage_queue_wait_seconds_count", "llmpipe_stage_run_seconds_count", "llmpipe_batch_size_requests_count",
         "llmpipe_batch_wait_seconds_count", "llmpipe_time_to_first_token_seconds_count", "llmpipe_e2e_latency_seconds_count",

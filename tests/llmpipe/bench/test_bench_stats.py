@@ -37,20 +37,30 @@ def _sample(i, start, lat, engine=None, batch=None):
     return s
 
 
-def test_summarize_leaves_out_the_warmup_and_counts_the_window():
-    samples = [_sample(0, 0.0, 10.0), _sample(1, 1.0, 1.0), _sample(2, 2.0, 1.0), _sample(3, 3.0, 1.0)]
-    samples.append(Sample(i=4, start=3.5, latency_s=0.1, ok=False, error="boom"))
-    s = summarize(samples, warmup=1)
-    assert s["measured"] == 4 and s["ok"] == 3 and s["errors"] == 1 and s["first_error"] == "boom"
-    assert s["latency_s"]["p50"] == pytest.approx(1.0)
-    # window: first measured start (1.0) to the last request sent (3.5); completions in it: 2
-    assert s["window_s"] == pytest.approx(2.5)
-    assert s["throughput_rps"] == pytest.approx(2 / 2.5)
-    # no completion before the last send: up to the last completion instead
-    late = summarize([_sample(0, 0.0, 5.0), _sample(1, 0.5, 5.0)], warmup=0)
-    assert late["window_s"] == pytest.approx(5.5) and late["throughput_rps"] == pytest.approx(2 / 5.5)
+def test_closed_loop_throughput_is_littles_law_on_the_steady_requests():
+    # 2 clients; every request after the first takes 2 s: 1 request/s whatever the bursts.
+    samples = [_sample(0, 0.0, 1.0), _sample(1, 0.0, 2.0)] + [_sample(k, k - 1.0, 2.0) for k in range(2, 10)]
+    samples.append(Sample(i=10, start=9.5, latency_s=0.1, ok=False, error="boom"))
+    s = summarize(samples, warmup=2, concurrency=2)
+    # fewer than 8 left once the drain is cut too: only the initial burst is left out
+    assert s["measured"] == 9 and s["ok"] == 8 and s["errors"] == 1 and s["first_error"] == "boom"
+    assert s["latency_s"]["p50"] == pytest.approx(2.0)
+    assert s["throughput_rps"] == pytest.approx(1.0)
+    assert s["throughput_method"].startswith("closed loop")
     assert s["engine_busy"]["method"].startswith("client")
     assert s["ttft_s"] is None and s["batch_sizes"] is None
+    # enough requests: the last `concurrency` (the drain, here faster) are left out as well
+    more = [_sample(0, 0.0, 1.0), _sample(1, 0.0, 2.0)] + [_sample(k, k - 1.0, 2.0) for k in range(2, 20)]
+    more += [_sample(20, 19.0, 0.5), _sample(21, 19.5, 0.5)]
+    m = summarize(more, warmup=2, concurrency=2)
+    assert m["measured"] == 18 and m["throughput_rps"] == pytest.approx(1.0)
+
+
+def test_open_loop_throughput_counts_completions():
+    samples = [_sample(k, 0.5 * k, 0.25) for k in range(10)]
+    s = summarize(samples, warmup=1)
+    # 9 completions from t=0.5 to t=4.75
+    assert s["throughput_rps"] == pytest.approx(9 / 4.25)
 
 
 def test_summarize_uses_server_engine_intervals_and_batch_sizes():

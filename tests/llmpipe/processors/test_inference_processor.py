@@ -98,5 +98,5 @@ def test_concurrency_of_batches_follows_engine_kind(continuous):
     eng = FakeEngine()
     eng.continuous = continuous
     p = InferenceProcessor(eng, window_s=0.0, max_size=4, clock=Clock())
-    assert p.batcher.concurrent_batches == (4 if continuous else 1)
+    assert p.batcher.concurrent_batches == (4 if continuous else 1)  # max_size=4
     p.shutdown()
