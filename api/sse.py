@@ -75,6 +75,9 @@ async def stream_job(
         for obj in first:
             yield sse(obj)
         async with waiter.watch(job_id) as done:
+            # The job may have finished before the watch began: its PUBLISH is gone.
+            if (await run_in_threadpool(service.view, job_id, False)).status.terminal:
+                done.set()
             while True:
                 is_done = done.is_set()
                 resp = await aredis.xread({stream_key(job_id): last}, count=256, block=None if is_done else 50)

@@ -15,10 +15,9 @@ postprocess worker, or the API process) may run at once; a short Redis lock also
 them from repeating each other's scan.
 
 Finding candidates: job ids listed in the ``llmpipe:job-deadlines`` sorted set (score:
-deadline) are checked when due, in O(due). Records that are not indexed are found by an
-incremental SCAN of ``llmpipe:job:*`` (``scan_count`` keys per tick), so the watchdog works
-whatever wrote the record; ``index_job`` is the one call a job creator adds to be checked
-exactly at its deadline instead of within one SCAN pass.
+deadline) are checked when due, in O(due); ``JobStore.create`` indexes every job. Records
+written by something else can be found by an incremental SCAN of ``llmpipe:job:*``
+(``scan_count`` keys per tick, off by default).
 
 :class:`Watchdog` is pure logic over Redis with an injectable clock (``tick`` does one
 round); :class:`WatchdogLoop` runs it on a daemon thread, without Celery beat.
@@ -58,7 +57,7 @@ def _s(v: Any) -> str | None:
 
 class Watchdog:
     def __init__(self, r: Any, store: JobStore | None = None, *, grace_s: float = 5.0, batch: int = 500,
-                 scan_count: int = 1000, clock: Callable[[], float] = time.time, deadletters: Any = None,
+                 scan_count: int = 0, clock: Callable[[], float] = time.time, deadletters: Any = None,
                  meta_key: Callable[[str], str] = celery_meta_key):
         self.r = r
         self.store = store or JobStore(r, 24 * 3600)
@@ -82,7 +81,10 @@ class Watchdog:
             job_id = _s(raw)
             moved += self.settle(job_id, now)
             self.r.zrem(INDEX_KEY, job_id)
-        moved += self._scan_step(cutoff, now)
+        if self.scan_count > 0:
+            # Off by default: JobStore.create indexes every job, and a SCAN of every
+            # retained record per tick costs Redis work that grows with the result TTL.
+            moved += self._scan_step(cutoff, now)
         return moved
 
     def _scan_step(self, cutoff: float, now: float) -> int:

@@ -129,7 +129,8 @@ def bench(engines, modes, concurrency, rate, requests, duration, prompt_tokens, 
     plans = build_plans(o, model_path, tokenizer)
     for p in plans:
         console.print(f"[bold]{p.setup.label}[/]: " + "; ".join(
-            f"{m} {', '.join(f'{ld.label}x{ld.requests}' for ld in loads)}" for m, loads in p.points))
+            f"{m} {', '.join(f'{ld.label}x' + (f'{duration:g}s' if duration else str(ld.requests)) for ld in loads)}"
+            for m, loads in p.points))
 
     redis_srv = EmbeddedRedis(out / "redis", appendonly=False).start()
     try:

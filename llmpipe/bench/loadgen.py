@@ -249,11 +249,15 @@ async def run_load(
             await asyncio.gather(*(worker() for _ in range(concurrency)))
         else:
             rng = random.Random(seed)
+            gaps = [rng.expovariate(rate) for _ in range(min(limit, 100_000))]
+            scale = (1.0 / rate) / (sum(gaps) / len(gaps))  # Poisson shape, the nominal mean rate
             tasks = []
+            t_next = time.monotonic()
             for i in itertools.count():
                 if not more(i):
                     break
                 tasks.append(asyncio.create_task(one(i)))
-                await asyncio.sleep(rng.expovariate(rate))
+                t_next += gaps[i % len(gaps)] * scale
+                await asyncio.sleep(max(0.0, t_next - time.monotonic()))
             await asyncio.gather(*tasks)
     return sorted(samples, key=lambda s: s.i)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 STAGE_ORDER = ["api", "preprocess", "inference", "postprocess", "redis", "serial", "vllm-serve", "loadgen"]
@@ -36,8 +37,9 @@ def results_table(rows: list[dict]) -> list[str]:
         lat, ttft = s["latency_s"], s["ttft_s"]
         busy = s["engine_busy"]
         busy_txt = f"{busy['fraction'] * 100:.0f}%" + (" (client)" if busy["method"].startswith("client") else "")
+        load = r["load"] + (f" ({s['offered_rps']:.2f} offered)" if s.get("offered_rps") else "")
         out.append(
-            f"| {r['mode']} | {r['load']} | {r['requests']} ({s['measured']}, {s['errors']}) | {_ms(lat['p50'])} | "
+            f"| {r['mode']} | {load} | {r['requests']} ({s['measured']}, {s['errors']}) | {_ms(lat['p50'])} | "
             f"{_ms(lat['p90'])} | {_ms(lat['p99'])} | {_ms(ttft['p50']) if ttft else 'n/a'} | "
             f"{s['throughput_rps']:.2f} | {s['output_tok_s']:.0f} | {busy_txt} | {_batch_text(s)} |")
     return out
@@ -147,13 +149,16 @@ def markdown(result: dict, plots: dict[str, list[str]]) -> str:
             lines += tt + [""]
         for p in plots.get(key, []):
             lines += [f"![{p}]({p})", ""]
-    lines += ["Latency: client-observed, from sending the request to having the whole result; the first "
-              "`concurrency` requests of a closed loop (its initial burst) are left out. Throughput: completions per "
-              "second from the first measured request's start to the last request's start (steady state, before the "
-              "load drains). Engine busy: share of that window in "
-              "which the engine had work, from the union of per-request engine intervals (stage timings + "
-              "engine_time_s) where the server reports them, else '(client)': union of in-flight requests, an upper "
-              "bound. TTFT: only where the client streams (/v1/completions); n/a on the job API.", ""]
+    lines += ["Latency: client-observed, from sending the request to having the whole result. Closed loop: the first "
+              "`concurrency` requests (the initial burst) and, when at least 8 remain, the last `concurrency` (sent "
+              "while the load drains) are left out ('measured' counts the rest). Throughput, closed loop: concurrency / "
+              "mean latency of the measured requests (Little's law; no think time), which is robust to completions "
+              "that come in bursts of a batch; open loop: completions / time. Output tok/s: throughput x mean output "
+              "tokens. Engine busy: share of the steady window (first measured request sent to last request sent) in "
+              "which the engine had work: the union of per-request engine intervals (stage timings + engine_time_s) "
+              "where the server reports them (approximate: a batch's interval is taken per request, from when its "
+              "Celery task returned), else '(client)': the union of in-flight requests, an upper bound. TTFT: only "
+              "where the client streams (POST /v1/completions); n/a on the job API.", ""]
     return "\n".join(lines)
 
 
@@ -181,6 +186,8 @@ def plots(result: dict, out: Path) -> dict[str, list[str]]:
                         label=f"{m} ({top['load']}, n={len(xs)})")
         ax.set_xscale("log")
         ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(
+            lambda v, _: f"{v:g}" if v > 0 and round(v / 10 ** math.floor(math.log10(v))) in (2, 5) else ""))
         ax.set_xlabel("latency (ms, log scale)")
         ax.set_ylabel("fraction of requests")
         ax.set_title(f"Latency CDF: {label}", fontsize=10)
@@ -218,7 +225,7 @@ def plots(result: dict, out: Path) -> dict[str, list[str]]:
 def write_all(result: dict, out: Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     made = plots(result, out)
-    (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / "results.json").write_text(json.dumps(result, separators=(",", ":"), default=str))
     (out / "report.md").write_text(markdown(result, made))
     return {"json": out / "results.json", "markdown": out / "report.md",
             **{p: out / p for ps in made.values() for p in ps}}

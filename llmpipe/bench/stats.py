@@ -48,8 +48,8 @@ def summarize(samples: list[Sample], warmup: int, concurrency: int | None = None
     that leaves at least 8, else only the first ``warmup``. Throughput is Little's law for
     a closed loop without think time, concurrency / mean latency of those requests: robust
     to completions that come in bursts (a batch of 32 finishing at once), unlike a count
-    over a window. Open loop: completions / time from the first measured request's start
-    to the last completion.
+    over a window. Open loop: completions (of any request) between the first measured
+    request's arrival and the last arrival, over that time.
     """
     measured = [s for s in samples if s.i >= warmup] or samples
     steady = measured
@@ -68,10 +68,11 @@ def summarize(samples: list[Sample], warmup: int, concurrency: int | None = None
     if concurrency and ok:
         rps = concurrency / (sum(s.latency_s for s in ok) / len(ok))
         how = "closed loop: concurrency / mean latency (Little's law)"
-    else:
-        end = max((s.end for s in ok), default=lo)
-        rps = len(ok) / max(end - lo, 1e-9)
-        how = "completions / (last completion - first measured start)"
+    else:  # completions of any request while arrivals went on, over that time
+        rps = sum(s.ok and lo < s.end <= hi for s in samples) / window
+        how = "open loop: completions between the first measured and the last arrival / that time"
+    starts = sorted(s.start for s in steady)
+    offered = (len(starts) - 1) / (starts[-1] - starts[0]) if len(starts) > 1 and starts[-1] > starts[0] else None
     lat = [s.latency_s for s in ok]
     ttft = [s.ttft_s for s in ok if s.ttft_s is not None]
     out: dict = {
@@ -85,6 +86,7 @@ def summarize(samples: list[Sample], warmup: int, concurrency: int | None = None
         "ttft_s": pcts(ttft) if ttft else None,
         "throughput_rps": rps,
         "throughput_method": how,
+        "offered_rps": None if concurrency else offered,  # open loop: the arrival rate realized
         "output_tok_s": rps * (sum(s.completion_tokens for s in ok) / len(ok)) if ok else 0.0,
         "completion_tokens_mean": (sum(s.completion_tokens for s in ok) / len(ok)) if ok else None,
     }

@@ -59,8 +59,9 @@ def test_closed_loop_throughput_is_littles_law_on_the_steady_requests():
 def test_open_loop_throughput_counts_completions():
     samples = [_sample(k, 0.5 * k, 0.25) for k in range(10)]
     s = summarize(samples, warmup=1)
-    # 9 completions from t=0.5 to t=4.75
-    assert s["throughput_rps"] == pytest.approx(9 / 4.25)
+    # arrivals from t=0.5 to t=4.5; completions in between: 0.75, 1.25, ..., 4.25
+    assert s["throughput_rps"] == pytest.approx(8 / 4.0)
+    assert s["offered_rps"] == pytest.approx(2.0)
 
 
 def test_summarize_uses_server_engine_intervals_and_batch_sizes():
@@ -82,3 +83,20 @@ def test_redis_trace_classifies_commands_by_purpose():
     assert classify('"SETEX" "celery-task-meta-abc" "86400" "{}"') == ("result backend: task results", "SETEX")
     assert classify('"EVALSHA" "deadbeef" "2" "llmpipe:job:abc" "x"') == ("llmpipe:job:*", "EVALSHA")
     assert classify('"MULTI"')[0].startswith("MULTI/EXEC")
+
+
+def test_open_loop_sends_at_the_nominal_rate():
+    import asyncio
+
+    from llmpipe.bench.loadgen import run_load
+
+    class Instant:
+        protocol = "fake"
+
+        async def request(self, http, s, prompt):
+            s.ok = True
+
+    samples = asyncio.run(run_load(Instant(), ["p"], requests=40, rate=200.0))
+    starts = sorted(s.start for s in samples)
+    assert len(samples) == 40 and all(s.ok for s in samples)
+    assert (starts[-1] - starts[0]) == pytest.approx(39 / 200.0, rel=0.35)
