@@ -35,9 +35,9 @@ result_serializer = "json"
 accept_content = ["json"]
 result_accept_content = ["json"]
 
-# Flower and the tests watch task events.
-worker_send_task_events = True
-task_send_sent_event = True
+# Flower and the tests watch task events (LLMPIPE_TASK_EVENTS=false trades Flower's view for CPU).
+worker_send_task_events = _s.task_events
+task_send_sent_event = _s.task_events
 task_track_started = False  # one STARTED write per task would double backend traffic
 
 # Ack after the task returns, so a crashed worker's messages are redelivered, not lost.

@@ -125,6 +125,8 @@ class Settings(BaseSettings):
     # The deadline watchdog (llmpipe/watchdog.py) in postprocess/collect workers; 0 disables it.
     watchdog_interval_s: float = 2.0
     watchdog_grace_s: float = 5.0  # how long after its deadline an unfinished job is settled
+    # Task events feed Flower; off, Flower shows nothing but each task costs less CPU and Redis.
+    task_events: bool = True
 
     @property
     def effective_visibility_timeout_s(self) -> float:

@@ -49,6 +49,6 @@ def worker_argv(kind: str, s: Settings, *, concurrency: int | None = None, name:
         "-c", str(n),
         "-n", name or f"{kind}@{socket.gethostname()}",
         "--prefetch-multiplier", str(k.prefetch),
-        "-E",
+        *(["-E"] if s.task_events else []),
         "-l", loglevel,
     ]
