@@ -114,7 +114,12 @@ def test_long_poll_wakes_when_the_result_is_stored_and_leaves_no_subscription(cl
 
     t = threading.Thread(target=poll)
     t.start()
-    time.sleep(0.3)
+    # Store the result only once the long-poll is subscribed, so the test checks the wake-up.
+    channel = f"celery-task-meta-{job_id}"
+    end = time.monotonic() + 5
+    while time.monotonic() < end and not dict(redis_client.pubsub_numsub(channel)).get(channel.encode()):
+        time.sleep(0.01)
+    assert dict(redis_client.pubsub_numsub(channel)).get(channel.encode()) == 1
     result = {"job_id": job_id, "status": "succeeded", "results": [], "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}, "error": None}
     celery.backend.store_result(job_id, result, "SUCCESS")
     t.join(10)
