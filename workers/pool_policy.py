@@ -92,7 +92,7 @@ def plan(started: Started, s: Settings, hostname: str) -> Plan:
     consumed = frozenset(started.queues) & STAGES
     kind = started.kind_env if started.kind_env else kind_of(consumed)
     stages = stages_of(kind, started.queues)
-    node = None if started.name_given or kind in (None, ALL) else f"{kind}@{hostname}"
+    node = f"{kind}@{hostname}" if kind in KINDS and not started.name_given else None
     if "inference" not in consumed | stages:
         return Plan(kind, stages, node=node)
     inference = KINDS["inference"]
@@ -110,7 +110,8 @@ def _refusal(started: Started, n: int) -> str:
                       "--prefetch-multiplier", str(inference.prefetch)])
     alt = " (or: llmpipe worker inference)" if set(started.queues) == {"inference"} else ""
     why = _WHY.get(started.pool, "the engine and its batcher live in one process, fed by one thread per request")
-    return f"llmpipe: the inference queue needs -P {inference.pool}, not -P {started.pool} ({why}); start this worker with: {cmd}{alt}"
+    return (f"llmpipe: the inference queue needs -P {inference.pool}, not -P {started.pool} ({why}); "
+            f"start this worker with: {cmd}{alt}")
 
 
 _WHY = {

@@ -102,7 +102,8 @@ class PlainCelery:
     def start_api(self):
         import sys
 
-        return self.sup.spawn("api", [sys.executable, "-m", "llmpipe.cli", "api", "--port", str(self.api_port)], self.env)
+        argv = [sys.executable, "-m", "llmpipe.cli", "api", "--port", str(self.api_port)]
+        return self.sup.spawn("api", argv, self.env)
 
     def _check_alive(self) -> None:
         from llmpipe.local import exit_reason

@@ -27,8 +27,10 @@ def plain(tmp_path_factory, redis_server, tiny_model, plain_celery):
                      LLMPIPE_MAX_BATCH_SIZE=str(MAX_BATCH))
     try:
         p.start_api()
-        p.start("preprocess", "worker", "-Q", "preprocess", "-l", "INFO")
-        p.start("postprocess", "worker", "-Q", "postprocess,collect", "-l", "INFO")
+        # The CPU stages' -c only bounds the processes on a many-core machine: the pool
+        # stays Celery's default (prefork).
+        p.start("preprocess", "worker", "-Q", "preprocess", "-c", "2", "-l", "INFO")
+        p.start("postprocess", "worker", "-Q", "postprocess,collect", "-c", "2", "-l", "INFO")
         p.start("flower", "flower", f"--port={p.flower_port}", "--address=127.0.0.1",
                 env={"FLOWER_BASIC_AUTH": ":".join(FLOWER_AUTH)})
         p.wait_nodes("preprocess", "postprocess")
@@ -89,7 +91,7 @@ def _json(out) -> dict:
 
 
 def test_inspect_stats_shows_the_pool_each_queue_got(plain):
-    stats = _json(plain.run("inspect", "stats", "--json", "--timeout", "5"))
+    stats = _json(plain.run("inspect", "stats", "--json", "--timeout", "3"))
     host = gethostname()
     assert set(stats) == {f"{k}@{host}" for k in ("preprocess", "inference", "postprocess")}
     inference = stats[f"inference@{host}"]
@@ -105,9 +107,9 @@ def test_inspect_stats_shows_the_pool_each_queue_got(plain):
 def test_inspect_active_and_status_list_every_worker(plain):
     host = gethostname()
     nodes = {f"{k}@{host}" for k in ("preprocess", "inference", "postprocess")}
-    active = _json(plain.run("inspect", "active", "--json", "--timeout", "5"))
+    active = _json(plain.run("inspect", "active", "--json", "--timeout", "3"))
     assert set(active) == nodes and all(isinstance(v, list) for v in active.values())
-    status = plain.run("status", "--timeout", "5")
+    status = plain.run("status", "--timeout", "3")
     assert status.returncode == 0, status.stderr
     assert all(f"{n}: OK" in status.stdout for n in nodes)
     assert "3 nodes online." in status.stdout

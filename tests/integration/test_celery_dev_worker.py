@@ -61,17 +61,19 @@ def test_purge_empties_the_named_queue(dev):
 
 
 def test_the_every_queue_worker_runs_whole_jobs_alone(dev):
-    stats = json.loads(dev.run("inspect", "stats", "--json", "--timeout", "5").stdout)
+    stats = json.loads(dev.run("inspect", "stats", "--json", "--timeout", "3").stdout)
     me = stats[f"celery@{gethostname()}"]
     assert list(stats) == [f"celery@{gethostname()}"]
     assert me["pool"]["implementation"] == "celery.concurrency.thread:TaskPool"
     assert me["pool"]["max-concurrency"] == THREADS
-    queues = json.loads(dev.run("inspect", "active_queues", "--json", "--timeout", "5").stdout)
-    assert {q["name"] for q in queues[f"celery@{gethostname()}"]} == {"preprocess", "inference", "postprocess", "collect"}
+    queues = json.loads(dev.run("inspect", "active_queues", "--json", "--timeout", "3").stdout)
+    assert {q["name"] for q in queues[f"celery@{gethostname()}"]} == {"preprocess", "inference", "postprocess",
+                                                                      "collect"}
 
     t0 = time.monotonic()
     jobs = [dev.submit({"prompts": ["Once upon a time", "Hello"], "max_tokens": 6, "ignore_eos": True}),
-            dev.submit({"messages": [{"role": "user", "content": "Hi <|im_end|>"}], "max_tokens": 6, "ignore_eos": True})]
+            dev.submit({"messages": [{"role": "user", "content": "Hi <|im_end|>"}], "max_tokens": 6,
+                        "ignore_eos": True})]
     views = [dev.wait_job(j) for j in jobs]
     assert [v["status"] for v in views] == ["succeeded", "succeeded"], views
     assert [len(r["token_ids"]) for v in views for r in v["result"]["results"]] == [6, 6, 6]
