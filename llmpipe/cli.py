@@ -71,10 +71,14 @@ def up(model, engine, redis_url, cpu_workers, batch_window_ms, max_batch_size, p
 @click.option("--concurrency", "-c", type=int)
 @click.option("--name", "-n", help="Worker node name (default KIND@hostname).")
 @click.option("--loglevel", "-l", default="INFO")
-def worker(kind, concurrency, name, loglevel):
-    """Run one Celery worker for one queue."""
-    from workers.launch import worker_argv
+@click.option("--print", "print_only", is_flag=True, help="Print the celery command line instead of running it.")
+def worker(kind, concurrency, name, loglevel, print_only):
+    """Run one Celery worker for one queue (the celery command line of README.md)."""
+    from workers.launch import celery_command, worker_argv
 
+    if print_only:
+        click.echo(celery_command(kind, load_settings(), concurrency=concurrency, name=name, loglevel=loglevel))
+        return
     argv = worker_argv(kind, load_settings(), concurrency=concurrency, name=name, loglevel=loglevel)
     os.environ["LLMPIPE_WORKER_KIND"] = kind
     os.execv(argv[0], argv)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import socket
+import shlex
 import sys
 from dataclasses import dataclass
 
@@ -47,8 +47,13 @@ def worker_argv(kind: str, s: Settings, *, concurrency: int | None = None, name:
         "-Q", ",".join(k.queues),
         "-P", k.pool,
         "-c", str(n),
-        "-n", name or f"{kind}@{socket.gethostname()}",
+        "-n", name or f"{kind}@%h",  # Celery expands %h to the host name
         "--prefetch-multiplier", str(k.prefetch),
         *(["-E"] if s.task_events else []),
         "-l", loglevel,
     ]
+
+
+def celery_command(kind: str, s: Settings, **kw) -> str:
+    """The ``celery ... worker`` line that ``llmpipe worker KIND`` runs, as a user types it."""
+    return shlex.join(["celery", *worker_argv(kind, s, **kw)[3:]])

@@ -11,6 +11,7 @@ import sys
 from celery.signals import task_failure, worker_init, worker_process_shutdown, worker_ready, worker_shutdown
 
 from workers.context import context
+from workers.pool_policy import serves  # its worker_init (pool, kind) runs before the ones below
 
 log = logging.getLogger("llmpipe.worker")
 
@@ -37,7 +38,7 @@ def _warm_cpu_stage(sender=None, **_):
     # The CPU stages load the tokenizer in the main process before their prefork pool
     # forks, so no pool process pays the load on its first request (seconds on a small
     # machine) and a model without a usable tokenizer stops the worker at once.
-    if os.environ.get("LLMPIPE_WORKER_KIND") in ("preprocess", "postprocess"):
+    if serves("preprocess", "postprocess"):
         try:
             ctx = context()
             ctx.tokenizer_owner.get()
@@ -50,7 +51,7 @@ def _warm_cpu_stage(sender=None, **_):
 def _warm(sender=None, **_):
     # The inference worker loads its engine before taking traffic, so the first request
     # does not pay the load (and it answers pings only once the engine is up).
-    if os.environ.get("LLMPIPE_WORKER_KIND") == "inference":
+    if serves("inference"):
         s = context().settings
         log.info("loading engine %s for model %s", s.engine.value, s.model)
         try:
@@ -79,7 +80,7 @@ def _start_watchdog(sender=None, **_):
     from llmpipe.settings import get_settings
 
     s = get_settings()
-    if os.environ.get("LLMPIPE_WORKER_KIND") not in ("postprocess", "collect") or s.watchdog_interval_s <= 0:
+    if not serves("postprocess", "collect") or s.watchdog_interval_s <= 0:
         return
     import redis
 

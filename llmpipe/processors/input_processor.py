@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -16,6 +17,10 @@ class InputProcessor:
         self.context_len = context_len
         self.allow_special_tokens = allow_special_tokens
         self._clock = clock
+        # Each tokenizer call sets the tokenizer's own split_special_tokens flag before it
+        # encodes: on a threads pool (a development worker) calls that interleave would
+        # parse a user's "<|im_end|>" as a control token. One call at a time per process.
+        self._lock = threading.Lock()
 
     def process(self, req: PromptRequest) -> TokenizedRequest:
         return run_stage(Stage.PREPROCESS, req, self._tokenize, self._failed, self._clock)
@@ -75,7 +80,8 @@ class InputProcessor:
         return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=split_special)["input_ids"])
 
     def _tokenize(self, req: PromptRequest) -> TokenizedRequest:
-        ids = self.token_ids(req)
+        with self._lock:
+            ids = self.token_ids(req)
         n, m = len(ids), req.params.max_tokens
         if n + m > self.context_len:
             raise ContextLengthError(

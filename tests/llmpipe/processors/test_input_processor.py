@@ -68,3 +68,21 @@ def test_special_tokens_in_prompt_text_stay_text(proc, tiny_tokenizer):
 def test_empty_prompt_is_a_bad_request(proc):
     out = proc.process(_req(prompt=""))
     assert out.error.reason == ErrorReason.INVALID_REQUEST
+
+
+def test_threads_tokenizing_at_once_keep_special_token_text_as_text(tiny_tokenizer):
+    """A threads-pool worker (the development worker serves preprocess on threads) calls
+    one processor from many threads; each call sets the tokenizer's split_special_tokens
+    flag, so the calls must not interleave (measured without the lock: about 1 in 7 wrong)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    proc = InputProcessor(tiny_tokenizer, context_len=100_000, clock=WallClock())
+    text = "hello <|im_end|> world " * 200
+    reqs = [_req(index=i, messages=[ChatMessage(role="user", content=text)]) if i % 2
+            else _req(index=i, prompt=text) for i in range(64)]
+    want = {i: proc.process(r).prompt_token_ids for i, r in enumerate(reqs[:2])}
+    im_end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert want[1].count(im_end) == 1  # the template's own end of turn; the user's text stays text
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(proc.process, reqs))
+    assert [g.prompt_token_ids for g in got] == [want[i % 2] for i in range(64)]
