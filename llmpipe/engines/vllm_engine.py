@@ -4,11 +4,12 @@ The ``AsyncLLM`` lives on an asyncio event loop in a daemon thread owned by the 
 ``generate`` (blocking, thread-safe) schedules one coroutine per request on that loop, so
 requests from concurrent ``generate`` calls join vLLM's running batch.
 
-The engine never tokenizes: vLLM is started with ``skip_tokenizer_init=True`` and prompts
-are ``TokensPrompt(prompt_token_ids=...)``. Without a tokenizer vLLM has no "primary" EOS
-id; it still reads ``eos_token_id`` from the model's generation_config.json (falling back
-to config.json) and adds those ids to the stop token ids. We add them ourselves too, so
-generation stops at EOS whatever vLLM version does (unless ``ignore_eos``).
+The engine never tokenizes or detokenizes: prompts are ``TokensPrompt(prompt_token_ids=...)``
+and outputs token ids (``detokenize=False``). vLLM loads the model's tokenizer only because
+its structured outputs (``response_format``) compile grammars over the vocabulary: with
+``skip_tokenizer_init`` it refuses them. We add the model's EOS ids (generation_config.json,
+then config.json) to the stop token ids ourselves too, so generation stops at EOS whatever
+vLLM version does (unless ``ignore_eos``).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from collections import Counter
 from typing import Any
 
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
-from llmpipe.errors import EngineDeadError, EngineError
-from llmpipe.messages import FinishReason, SamplingParams
+from llmpipe.errors import EngineBadRequestError, EngineDeadError, EngineError
+from llmpipe.messages import FinishReason, Logprob, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -87,9 +88,22 @@ class _StatsSink:
         return _Logger(vllm_config, engine_index)
 
 
+def _position(entries: Any) -> list[Logprob]:
+    """vLLM's logprobs of one position ({token id: Logprob}, the sampled token first) as ours.
+    -inf becomes -9999.0, as vLLM's server writes it, so that the JSON stays valid."""
+    return [Logprob(id=int(t), logprob=max(float(lp.logprob), -9999.0), rank=lp.rank) for t, lp in entries.items()]
+
+
+def _prompt_positions(prompt_ids: list[int], plp: Any) -> list[list[Logprob]]:
+    """vLLM's prompt logprobs (None for the first token, which nothing precedes)."""
+    return [[Logprob(id=prompt_ids[0])] if pos is None else _position(pos) for pos in plp]
+
+
 class VllmEngine(Engine):
     name = "vllm"
     continuous = True
+    supports_logprobs = True
+    supports_structured_outputs = True
 
     def __init__(
         self,
@@ -120,7 +134,8 @@ class VllmEngine(Engine):
         try:
             self._args = AsyncEngineArgs(
                 model=model,
-                skip_tokenizer_init=True,
+                # The tokenizer is for structured outputs only; prompts stay token ids.
+                skip_tokenizer_init=False,
                 dtype=dtype,
                 max_model_len=max_model_len,
                 enforce_eager=enforce_eager,
@@ -206,9 +221,13 @@ class VllmEngine(Engine):
 
     def _sampling_params(self, p: SamplingParams) -> Any:
         from vllm import SamplingParams as VSamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         stop = list(dict.fromkeys(list(p.stop_token_ids) + ([] if p.ignore_eos else self._eos_ids)))
+        structured = None
+        if p.structured is not None:
+            structured = StructuredOutputsParams(json=p.structured.json_schema) if p.structured.json_schema is not None \
+                else StructuredOutputsParams(json_object=True)
         return VSamplingParams(
             max_tokens=p.max_tokens,
             temperature=p.temperature,
@@ -216,44 +235,58 @@ class VllmEngine(Engine):
             seed=p.seed,
             stop_token_ids=stop,
             ignore_eos=p.ignore_eos,
+            logprobs=p.logprobs,
+            prompt_logprobs=p.prompt_logprobs,
+            structured_outputs=structured,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )
 
     async def _run_one(self, req: EngineRequest, on_tokens: TokenCallback | None) -> EngineOutput:
+        from vllm.exceptions import VLLMValidationError
         from vllm.inputs import TokensPrompt
 
         rid = req.request_id
         if rid in self._cancelled:
             return EngineOutput(rid, [], FinishReason.CANCELLED)
+        logprobs: list[list[Logprob]] | None = [] if req.params.logprobs is not None else None
+        prompt_logprobs: list[list[Logprob]] | None = None
         tokens: list[int] = []
         first_at: float | None = None
         finish: str | None = None
         stop_reason: Any = None
         abort_sent = False
         callback_ok = on_tokens is not None
-        gen = self._llm.generate(TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)), self._sampling_params(req.params), rid)
-        async for out in gen:
-            comp = out.outputs[0]
-            if comp.token_ids:
-                if first_at is None:
-                    first_at = time.time()
-                tokens.extend(comp.token_ids)
-                if callback_ok:
-                    try:
-                        on_tokens(rid, list(tokens))
-                    except Exception:
-                        callback_ok = False
-                        log.exception("on_tokens callback failed for %s; no more callbacks for it", rid)
-            if comp.finish_reason is not None:
-                finish = str(comp.finish_reason)
-                stop_reason = comp.stop_reason
-            # (No break on out.finished: vLLM's generator ends by itself after it; leaving
-            # it suspended would make its finaliser abort the finished request.)
-            if not out.finished and rid in self._cancelled and not abort_sent:
-                # abort() raced with the request being added; abort it now that it exists.
-                abort_sent = True
-                await self._llm.abort(rid)
+        try:
+            gen = self._llm.generate(TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)),
+                                     self._sampling_params(req.params), rid)
+            async for out in gen:
+                comp = out.outputs[0]
+                if out.prompt_logprobs and prompt_logprobs is None:
+                    prompt_logprobs = _prompt_positions(req.prompt_token_ids, out.prompt_logprobs)
+                if logprobs is not None and comp.logprobs:
+                    logprobs.extend(_position(pos) for pos in comp.logprobs)
+                if comp.token_ids:
+                    if first_at is None:
+                        first_at = time.time()
+                    tokens.extend(comp.token_ids)
+                    if callback_ok:
+                        try:
+                            on_tokens(rid, list(tokens))
+                        except Exception:
+                            callback_ok = False
+                            log.exception("on_tokens callback failed for %s; no more callbacks for it", rid)
+                if comp.finish_reason is not None:
+                    finish = str(comp.finish_reason)
+                    stop_reason = comp.stop_reason
+                # (No break on out.finished: vLLM's generator ends by itself after it; leaving
+                # it suspended would make its finaliser abort the finished request.)
+                if not out.finished and rid in self._cancelled and not abort_sent:
+                    # abort() raced with the request being added; abort it now that it exists.
+                    abort_sent = True
+                    await self._llm.abort(rid)
+        except VLLMValidationError as e:  # what the request asks, e.g. a schema the grammar backend refuses
+            raise EngineBadRequestError(f"request {rid}: {e}", param=e.parameter) from e
         if finish == "error":
             raise EngineError(f"vLLM reported a request-level error for {rid}", transient=True)
         reason = {
@@ -265,7 +298,10 @@ class VllmEngine(Engine):
         extra: dict[str, Any] = {}
         if stop_reason is not None:
             extra["stop_reason"] = stop_reason
-        return EngineOutput(rid, tokens, reason, first_token_at=first_at, extra=extra)
+        # vLLM's stop_reason is the stop token id, or None for the tokenizer's EOS.
+        stop_token = stop_reason if isinstance(stop_reason, int) and not isinstance(stop_reason, bool) else None
+        return EngineOutput(rid, tokens, reason, first_token_at=first_at, extra=extra, logprobs=logprobs,
+                            prompt_logprobs=prompt_logprobs, stop_token=stop_token)
 
     def _translate(self, exc: BaseException) -> EngineError:
         from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
