@@ -7,7 +7,8 @@ others every ``partial_every_s``, which is enough for ``GET /v1/jobs/{id}`` to s
 text produced so far.
 
 Entry fields: ``i`` prompt index, ``o`` offset of the first id in ``d``, ``d`` the new
-token ids as JSON. Offsets make a replayed or redelivered stream idempotent to readers.
+token ids as JSON, ``p`` the prompt's length in tokens (streaming requests: the usage on
+every chunk). Offsets make a replayed or redelivered stream idempotent to readers.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class _Tracked:
     job_id: str
     index: int
     stream: bool
+    prompt_tokens: int | None = None
     ids: list[int] = field(default_factory=list)
     published: int = 0
     last_flush: float = 0.0
@@ -52,9 +54,9 @@ class TokenPublisher:
         self._thread = threading.Thread(target=self._loop, name="llmpipe-token-publisher", daemon=True)
         self._thread.start()
 
-    def register(self, request_id: str, job_id: str, index: int, stream: bool) -> None:
+    def register(self, request_id: str, job_id: str, index: int, stream: bool, prompt_tokens: int | None = None) -> None:
         with self._lock:
-            self._tracked[request_id] = _Tracked(job_id, index, stream, last_flush=self._clock())
+            self._tracked[request_id] = _Tracked(job_id, index, stream, prompt_tokens, last_flush=self._clock())
 
     def on_tokens(self, request_id: str, ids_so_far: list[int]) -> None:
         t = self._tracked.get(request_id)
@@ -78,7 +80,10 @@ class TokenPublisher:
             for rid, t in list(self._tracked.items()):
                 due = force or t.done or now - t.last_flush >= (self.flush_s if t.stream else self.partial_every_s)
                 if due and len(t.ids) > t.published:
-                    entries.append((t.job_id, {"i": t.index, "o": t.published, "d": json.dumps(t.ids[t.published:])}))
+                    fields = {"i": t.index, "o": t.published, "d": json.dumps(t.ids[t.published:])}
+                    if t.stream and t.prompt_tokens is not None:
+                        fields["p"] = t.prompt_tokens
+                    entries.append((t.job_id, fields))
                     t.published = len(t.ids)
                     t.last_flush = now
                 if t.done:

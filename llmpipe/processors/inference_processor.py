@@ -12,12 +12,16 @@ from dataclasses import dataclass
 
 from llmpipe.batching import Batcher
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest
-from llmpipe.errors import CancelledError, EngineDeadError, ExpiredError
+from llmpipe.errors import BadRequestError, CancelledError, EngineDeadError, ExpiredError
 from llmpipe.isolation import run_isolated
 from llmpipe.messages import ErrorReason, FinishReason, Generation, Stage, StageError, TokenizedRequest
 from llmpipe.processors.envelope import WallClock, run_stage
 
 log = logging.getLogger("llmpipe.inference")
+
+# How many of the prompt's last ids postprocess decodes the output after (as vLLM's
+# detokenizer does): enough for a leading space or a character split across tokens.
+PROMPT_TAIL = 8
 
 
 @dataclass(frozen=True)
@@ -84,8 +88,9 @@ class InferenceProcessor:
         return ids
 
     def _generate(self, req: TokenizedRequest) -> Generation:
+        self._check_supported(req)
         if self._publisher is not None:
-            self._publisher.register(req.request_id, req.job_id, req.index, req.stream)
+            self._publisher.register(req.request_id, req.job_id, req.index, req.stream, len(req.prompt_token_ids))
         try:
             fut = self.batcher.submit(req)
             try:
@@ -104,7 +109,21 @@ class InferenceProcessor:
             prompt_tokens=len(req.prompt_token_ids), output_token_ids=out.token_ids,
             finish_reason=out.finish_reason, batch_size=done.batch_size,
             engine_time_s=done.engine_time_s, first_token_at=out.first_token_at, stop=req.params.stop,
+            stop_token=out.stop_token, prompt_tail=req.prompt_token_ids[-PROMPT_TAIL:],
+            prompt_token_ids=req.prompt_token_ids if req.params.echo else None,
+            logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs,
         )
+
+    def _check_supported(self, req: TokenizedRequest) -> None:
+        """A request asking for what this engine cannot do fails, naming the field; it is
+        never served without it. (The API refuses it first when it knows the engine.)"""
+        p, e = req.params, self.engine
+        if (p.logprobs is not None or p.prompt_logprobs is not None) and not e.supports_logprobs:
+            raise BadRequestError(f"the {e.name} engine does not return log probabilities",
+                                  param="logprobs" if p.logprobs is not None else "prompt_logprobs")
+        if p.structured is not None and not e.supports_structured_outputs:
+            raise BadRequestError(f"the {e.name} engine has no structured outputs (response_format needs the vllm engine)",
+                                  param="response_format")
 
     def _run_batch(self, batch: list[TokenizedRequest]) -> list[_Done | Exception]:
         now = self._clock()
