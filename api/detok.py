@@ -31,6 +31,10 @@ class Detokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._get().decode(ids, skip_special_tokens=True)
 
+    def decode_with_special(self, ids: list[int]) -> str:
+        """Special tokens kept, as vLLM's ``/detokenize`` answers."""
+        return self._get().decode(ids, skip_special_tokens=False)
+
 
 class IncrementalText:
     """Text deltas from a growing list of token ids. A trailing partial UTF-8 sequence

@@ -42,9 +42,15 @@ ERROR_RESPONSES = {
 }
 
 
+# vLLM's (and OpenAI's) OpenAI-compatible routes answer a body that fails validation
+# with 400; the job API keeps FastAPI's 422.
+_VALIDATION_400 = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+
+
 def error_json(status: int, reason: ErrorReason, message: str, param: str | None = None,
                headers: dict[str, str] | None = None, **extra) -> JSONResponse:
-    body = {"type": reason.value, "message": message, "param": param, **extra}
+    # "code": the HTTP status, as vLLM's error body carries it.
+    body = {"type": reason.value, "message": message, "param": param, "code": status, **extra}
     return JSONResponse({"error": body}, status_code=status, headers=headers)
 
 
@@ -66,7 +72,7 @@ def install(app: FastAPI) -> None:
         return error_json(status_for(exc), exc.reason, exc.message, exc.param, headers, **extra)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
+    async def _validation(request: Request, exc: RequestValidationError):
         errs = exc.errors()
         parts = []
         param = None
@@ -75,7 +81,8 @@ def install(app: FastAPI) -> None:
             where = ".".join(loc) or "body"
             param = param or where
             parts.append(f"{where}: {e.get('msg')}")
-        return error_json(422, ErrorReason.INVALID_REQUEST, "; ".join(parts) or "invalid request", param)
+        status = 400 if request.url.path in _VALIDATION_400 else 422
+        return error_json(status, ErrorReason.INVALID_REQUEST, "; ".join(parts) or "invalid request", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):

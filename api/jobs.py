@@ -58,7 +58,7 @@ class JobService:
         """One chord for ``inputs`` (each a prompt or messages); ``params`` is shared or per input."""
         s = self.settings
         per_input = params if isinstance(params, list) else [params] * len(inputs)
-        texts = [inp["prompt"] if "prompt" in inp else " ".join(m.content for m in inp["messages"]) for inp in inputs]
+        texts = [_input_text(inp) for inp in inputs]
         max_tokens = max(p.max_tokens for p in per_input)
         self.check_limits(texts, len(inputs), max_tokens)
         now = self._clock()
@@ -115,7 +115,8 @@ class JobService:
             result = JobResult.model_validate(meta["result"])
             view.result, view.status = result, result.status
             if result.error:
-                view.error = ErrorBody(type=result.error.reason, message=result.error.message, stage=result.error.stage)
+                view.error = ErrorBody(type=result.error.reason, message=result.error.message, stage=result.error.stage,
+                                       param=result.error.param)
         elif state == "FAILURE":
             view.status = JobStatus.FAILED
             view.error = ErrorBody(type=ErrorReason.INTERNAL, message=_failure_message(meta.get("result")))
@@ -136,6 +137,15 @@ class JobService:
         self.store.transition(job_id, JobStatus.CANCELLED, {"type": "cancelled", "message": "cancelled by the client"})
         log.info("job=%s stage=api cancelled (was %s)", job_id, rec.status.value)
         return self.view(job_id, partial=False)
+
+
+def _input_text(inp: dict[str, Any]) -> str:
+    """The text the limits and the admission estimate look at (a token-id prompt: none)."""
+    if "prompt" in inp:
+        return inp["prompt"]
+    if "messages" in inp:
+        return " ".join(m.content for m in inp["messages"])
+    return ""
 
 
 def _error_from_record(rec: JobRecord) -> ErrorBody | None:

@@ -12,8 +12,9 @@ from starlette.concurrency import run_in_threadpool
 from api.detok import Detokenizer
 from api.errors import ERROR_RESPONSES
 from api.jobs import JobService
+from api.openai_features import chat_choice, chat_extras, check_request, completion_choice
 from api.openai_schemas import (
-    AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
+    ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
     CompletionRequest, CompletionResponse, ModelCard, ModelList, UsageOut,
 )
 from api.routes_jobs import wait_view
@@ -39,12 +40,16 @@ def raise_for(view: JobView) -> None:
     err = view.error
     reason = err.type if err else ErrorReason.EXPIRED if view.status == JobStatus.EXPIRED else ErrorReason.INTERNAL
     cls = _BY_REASON.get(reason, LlmpipeError)
-    raise cls(err.message if err else f"job {view.status.value}")
+    exc = cls(err.message if err else f"job {view.status.value}")
+    exc.param = err.param if err else None  # the request field at fault, when a stage named one
+    raise exc
 
 
-def _usage(view: JobView) -> UsageOut:
+def _usage(view: JobView, n: int = 1) -> UsageOut:
+    # As vLLM and OpenAI count: each prompt once, however many choices (n) it has.
     u = view.result.usage
-    return UsageOut(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, total_tokens=u.total_tokens)
+    prompt = sum(r.prompt_tokens for r in view.result.results if r.index % n == 0) if n > 1 else u.prompt_tokens
+    return UsageOut(prompt_tokens=prompt, completion_tokens=u.completion_tokens, total_tokens=prompt + u.completion_tokens)
 
 
 def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: Detokenizer) -> APIRouter:
@@ -61,7 +66,8 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
         if n > settings.max_n:
             raise BadRequestError(f"n may be at most {settings.max_n} (max_n); got {n}", param="n")
 
-    async def run(inputs, params_for, n, stream, timeout, build, chunk, first, stops, include_usage):
+    async def run(inputs, params_for, n, stream, timeout, build, chunk, first, stops, include_usage,
+                  continuous_usage=False):
         """Submit ``n`` choices per input as one job; answer as JSON or as SSE."""
         job_inputs = [inp for inp in inputs for _ in range(n)]
         params = [params_for(k) for _ in inputs for k in range(n)]
@@ -70,13 +76,13 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
         rec = await run_in_threadpool(service.record, job_id)
         if stream:
             def usage_chunk(view: JobView) -> dict:
-                return {**chunk(job_id, 0, "", None), "choices": [], "usage": _usage(view).model_dump()}
+                return {**chunk(job_id, 0, "", None), "choices": [], "usage": _usage(view, n).model_dump()}
 
             gen = stream_job(
                 job_id=job_id, n_choices=len(job_inputs), stops=stops, service=service, waiter=waiter, aredis=aredis,
                 detok=detok, chunk=lambda i, t, f: chunk(job_id, i, t, f), first=first(job_id),
                 usage_chunk=usage_chunk if include_usage else None, deadline=rec.deadline,
-                on_abandon=lambda: service.cancel(job_id))
+                on_abandon=lambda: service.cancel(job_id), continuous_usage=include_usage and continuous_usage)
             return StreamingResponse(gen, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         view = await wait_view(service, waiter, job_id, max(0.1, rec.deadline - time.time() + 2))
@@ -95,29 +101,29 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
     async def completions(req: CompletionRequest):
         """OpenAI completions; ``stream: true`` answers with server-sent events."""
         model = check_model(req.model)
-        if req.echo or req.logprobs is not None:
-            raise BadRequestError("echo and logprobs are not supported", param="echo" if req.echo else "logprobs")
+        check_request(req, settings)
         max_tokens = req.max_tokens or 16
         limits(req.n)
+        inputs = req.inputs()
 
         def chunk(job_id, i, text, finish):
             return {"id": f"cmpl-{job_id}", "object": "text_completion", "created": int(time.time()), "model": model,
                     "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}]}
 
         def build(job_id, view):
-            return CompletionResponse(id=f"cmpl-{job_id}", model=model, usage=_usage(view), choices=[
-                CompletionChoice(index=r.index, text=r.text, finish_reason=r.finish_reason.value) for r in view.result.results])
+            return CompletionResponse(id=f"cmpl-{job_id}", model=model, usage=_usage(view, req.n), choices=[
+                CompletionChoice(**completion_choice(r, req, inputs[r.index // req.n])) for r in view.result.results])
 
-        return await run([{"prompt": p} for p in req.prompts()], lambda k: req.sampling(max_tokens, k), req.n,
+        return await run(inputs, lambda k: req.sampling(max_tokens, k), req.n,
                          req.stream, req.timeout, build, chunk, lambda job_id: [], req.stops(),
-                         bool(req.stream_options and req.stream_options.include_usage))
+                         bool(req.stream_options and req.stream_options.include_usage),
+                         bool(req.stream_options and req.stream_options.continuous_usage_stats))
 
     @rt.post("/chat/completions", response_model=ChatCompletionResponse, responses=_ERRS)
     async def chat_completions(req: ChatCompletionRequest):
         """OpenAI chat completions with the model's chat template; ``stream: true`` answers with SSE."""
         model = check_model(req.model)
-        if req.logprobs:
-            raise BadRequestError("logprobs are not supported", param="logprobs")
+        check_request(req, settings)
         max_tokens = req.max_completion_tokens or req.max_tokens or settings.default_max_tokens
         limits(req.n)
 
@@ -135,13 +141,15 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
             return out
 
         def build(job_id, view):
-            return ChatCompletionResponse(id=f"chatcmpl-{job_id}", model=model, usage=_usage(view), choices=[
-                ChatChoice(index=r.index, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason.value)
-                for r in view.result.results])
+            results = view.result.results
+            return ChatCompletionResponse(id=f"chatcmpl-{job_id}", model=model, usage=_usage(view, req.n),
+                                          choices=[ChatChoice(**chat_choice(r, req)) for r in results],
+                                          **chat_extras(results, req))
 
         messages = [m.to_message() for m in req.messages]
         return await run([{"messages": messages}], lambda k: req.sampling(max_tokens, k), req.n, req.stream,
                          req.timeout, build, chunk, first, req.stops(),
-                         bool(req.stream_options and req.stream_options.include_usage))
+                         bool(req.stream_options and req.stream_options.include_usage),
+                         bool(req.stream_options and req.stream_options.continuous_usage_stats))
 
     return rt

@@ -65,10 +65,20 @@ class _Choice:
 async def stream_job(
     *, job_id: str, n_choices: int, stops: list[str], service: JobService, waiter: JobWaiter,
     aredis: aioredis.Redis, detok: Detokenizer, chunk: ChunkFn, first: list[dict], usage_chunk: Callable[[JobView], dict] | None,
-    deadline: float, on_abandon: Callable[[], None],
+    deadline: float, on_abandon: Callable[[], None], continuous_usage: bool = False,
 ) -> AsyncIterator[bytes]:
     choices = [_Choice(detok, stops) for _ in range(n_choices)]
     ids: dict[int, list[int]] = {}
+    prompt_tokens: dict[int, int] = {}
+
+    def with_usage(obj: dict, i: int, prompt: int | None = None, completion: int | None = None) -> dict:
+        # vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far.
+        if continuous_usage:
+            p = prompt_tokens.get(i, 0) if prompt is None else prompt
+            c = len(ids.get(i, [])) if completion is None else completion
+            obj["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return obj
+
     last = "0-0"
     finished = False
     try:
@@ -83,11 +93,11 @@ async def stream_job(
                 resp = await aredis.xread({stream_key(job_id): last}, count=256, block=None if is_done else 50)
                 for _, entries in resp or []:
                     last = entries[-1][0]
-                    for i, new in apply_entries(entries, ids).items():
+                    for i, new in apply_entries(entries, ids, prompt_tokens).items():
                         if i < n_choices:
                             delta = choices[i].push(new)
                             if delta:
-                                yield sse(chunk(i, delta, None))
+                                yield sse(with_usage(chunk(i, delta, None), i))
                 if is_done and not resp:
                     break
                 if not is_done and time.time() > deadline + 5:
@@ -98,7 +108,8 @@ async def stream_job(
             for r in view.result.results:
                 c = choices[r.index]
                 tail = c.rest(r.text)
-                yield sse(chunk(r.index, tail, r.finish_reason.value))
+                yield sse(with_usage(chunk(r.index, tail, r.finish_reason.value), r.index, r.prompt_tokens,
+                                     r.completion_tokens))
             if usage_chunk is not None:
                 yield sse(usage_chunk(view))
         else:

@@ -8,14 +8,18 @@ from typing import Any
 from llmpipe.streaming import stream_key
 
 
-def apply_entries(entries: list[tuple[Any, dict]], ids_by_index: dict[int, list[int]]) -> dict[int, list[int]]:
+def apply_entries(entries: list[tuple[Any, dict]], ids_by_index: dict[int, list[int]],
+                  prompt_tokens: dict[int, int] | None = None) -> dict[int, list[int]]:
     """Merge stream entries into ``ids_by_index``; returns the ids new to each index.
+    ``prompt_tokens`` (optional) collects each index's prompt length, when entries carry it.
 
     Entries carry their offset, so a replayed entry (a redelivered request) adds nothing."""
     new: dict[int, list[int]] = {}
     for _, fields in entries:
         f = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in fields.items()}
         i, off, delta = int(f["i"]), int(f["o"]), json.loads(f["d"])
+        if prompt_tokens is not None and "p" in f:
+            prompt_tokens[i] = int(f["p"])
         have = ids_by_index.setdefault(i, [])
         if off > len(have):
             continue  # a gap: wait for the entry that fills it
