@@ -52,8 +52,9 @@ def load_settings(**overrides) -> Settings:
 @click.option("--state-dir", type=click.Path(file_okay=False), help="Models, logs and the embedded Redis live here.")
 @click.option("--ready-timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for readiness.")
 @click.option("--quiet", is_flag=True, help="Do not echo the children's logs (they still go to the log files).")
+@click.option("--verbose", is_flag=True, help="Echo every line of the children's logs, not only warnings and errors.")
 def up(model, engine, redis_url, cpu_workers, batch_window_ms, max_batch_size, port, flower_port, no_flower,
-       config_file, state_dir, ready_timeout, quiet):
+       config_file, state_dir, ready_timeout, quiet, verbose):
     """Start Redis (if needed), the workers, the API and Flower; Ctrl-C stops them."""
     from llmpipe.up import run_up
 
@@ -63,7 +64,7 @@ def up(model, engine, redis_url, cpu_workers, batch_window_ms, max_batch_size, p
                       batch_window_ms=batch_window_ms, max_batch_size=max_batch_size, api_port=port,
                       flower_port=flower_port, state_dir=state_dir)
     sys.exit(run_up(s, flower=not no_flower, echo=not quiet, redis_explicit="redis_url" in s.model_fields_set,
-                    ready_timeout=ready_timeout))
+                    ready_timeout=ready_timeout, verbose=verbose))
 
 
 @main.command()

@@ -128,6 +128,16 @@ class Settings(BaseSettings):
     # Task events feed Flower; off, Flower shows nothing but each task costs less CPU and Redis.
     task_events: bool = True
 
+    # Logs (docs/architecture.md, "Logs"). No prompt or generated content is logged unless
+    # this is on (debugging only): then Celery's task lines carry their return values.
+    log_content: bool = False
+    # Celery warns at each worker start when it runs as root. None: silenced in a container
+    # (/.dockerenv or /run/.containerenv), where root is the norm; true/false: always/never.
+    allow_root: bool | None = None
+
+    # The most log probabilities a request may ask per token (vLLM's --max-logprobs).
+    max_logprobs: int = 20
+
     @property
     def effective_visibility_timeout_s(self) -> float:
         return self.visibility_timeout_s if self.visibility_timeout_s else self.max_timeout_s + 60
