@@ -48,7 +48,7 @@ def test_logprobs_equal_transformers(vllm_engine, hf_engine):
     batch = [EngineRequest(f"lp{i}", p, greedy(6, logprobs=3, prompt_logprobs=2)) for i, p in enumerate(PROMPTS[:3])]
     batch.append(EngineRequest("lp-none", PROMPTS[3], greedy(4)))
     v, h = vllm_engine.generate(batch), hf_engine.generate(batch)
-    for vo, ho, req in zip(v[:3], h[:3], batch, strict=True):
+    for vo, ho, req in zip(v[:3], h[:3], batch[:3], strict=True):
         assert vo.token_ids == ho.token_ids
         assert len(vo.logprobs) == len(vo.token_ids) and len(vo.prompt_logprobs) == len(req.prompt_token_ids)
         assert [p[0].id for p in vo.logprobs] == vo.token_ids
@@ -65,7 +65,7 @@ def test_structured_output_is_json_and_a_bad_schema_is_the_clients_fault(vllm_en
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
     (o,) = vllm_engine.generate([EngineRequest("so", PROMPTS[1], greedy(40, structured=StructuredOutput(json_schema=schema)))])
     text = tiny_tokenizer.decode(o.token_ids, skip_special_tokens=True)
-    assert text.lstrip().startswith('{"a"'), text  # the grammar allows nothing else (random weights)
+    assert "".join(text.split()).startswith('{"a":'), text  # the grammar allows nothing else (random weights)
     with pytest.raises(EngineBadRequestError):
         vllm_engine.generate([EngineRequest("so-bad", PROMPTS[1], greedy(5, structured=StructuredOutput(
             json_schema={"type": "no-such-type"})))])
