@@ -152,6 +152,9 @@ def router(celery, r, waiter: JobWaiter, settings: Settings, detok: Detokenizer,
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         """vLLM's /detokenize: token ids to text, special tokens kept."""
         check_model(req.model)
+        big = next((t for t in req.tokens if t >= 2**32), None)
+        if big is not None:  # no vocabulary is that large (the tokenizer's ids are 32-bit)
+            raise BadRequestError(f"Token id {big} is out of vocabulary", param="tokens")
         return DetokenizeResponse(prompt=await run_in_threadpool(detok.decode_with_special, req.tokens))
 
     return rt

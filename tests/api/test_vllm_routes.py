@@ -84,6 +84,8 @@ def test_detokenize_keeps_special_tokens_and_tokenize_needs_a_preprocess_worker(
     r = client.post("/tokenize", json={"prompt": "hi"})
     assert r.status_code == 503 and "preprocess" in r.json()["error"]["message"]
     assert client.post("/detokenize", json={"tokens": [-1]}).status_code == 400
+    assert client.post("/detokenize", json={"tokens": [2**40]}).json()["error"]["param"] == "tokens"
+    assert client.post("/detokenize", json={"tokens": [99999]}).json() == {"prompt": ""}  # unknown ids: nothing, as vLLM
     assert client.post("/detokenize", json={"tokens": [1], "model": "other"}).status_code == 404
 
 
