@@ -63,11 +63,21 @@ class InputProcessor:
             if messages is not None:
                 ids = self.chat_ids(messages, add_generation_prompt=add_generation_prompt)
                 if add_special_tokens:  # on top of the template's own (vLLM's default: off)
-                    ids = self.tokenizer.build_inputs_with_special_tokens(ids)
+                    prefix, suffix = self._special_wrap()
+                    ids = prefix + ids + suffix
             else:
                 ids = self.prompt_ids(prompt or "", add_special_tokens=True if add_special_tokens is None else add_special_tokens)
         strs = self.tokenizer.convert_ids_to_tokens(ids) if return_token_strs else None
         return {"count": len(ids), "max_model_len": self.context_len, "tokens": ids, "token_strs": strs}
+
+    def _special_wrap(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer adds before and after a text (a BOS, say)."""
+        core = self.tokenizer("a", add_special_tokens=False)["input_ids"]
+        full = self.tokenizer("a", add_special_tokens=True)["input_ids"]
+        for i in range(len(full) - len(core) + 1):
+            if full[i : i + len(core)] == core:
+                return list(full[:i]), list(full[i + len(core):])
+        return [], []
 
     def _checked_ids(self, ids: list[int]) -> list[int]:
         """A prompt given as token ids is not tokenized, only checked (vLLM's messages)."""

@@ -110,3 +110,5 @@ def test_tokenize_view_is_what_a_request_would_carry(proc, tiny_tokenizer):
     assert view["tokens"][: len(no_gen)] == no_gen and len(no_gen) < len(view["tokens"])
     assert proc.tokenize_view(prompt="hello there")["tokens"] == tiny_tokenizer("hello there")["input_ids"]
     assert proc.tokenize_view(prompt="hello")["token_strs"] is None
+    # The tiny model's tokenizer adds no special tokens of its own: nothing changes.
+    assert proc.tokenize_view(messages=msgs, add_special_tokens=True)["tokens"] == view["tokens"]
