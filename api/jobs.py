@@ -64,7 +64,8 @@ class JobService:
         now = self._clock()
         deadline = now + min(timeout or s.default_timeout_s, s.max_timeout_s)
         job_id = uuid.uuid4().hex
-        decision = self.admission.try_admit(job_id, estimate_tokens(texts, max_tokens), deadline)
+        given_ids = sum(len(inp.get("prompt_token_ids") or ()) for inp in inputs)  # token-id prompts: their length
+        decision = self.admission.try_admit(job_id, estimate_tokens(texts, max_tokens) + given_ids, deadline)
         if not decision.admitted:
             metrics.REJECTED.labels(decision.stage or "unknown").inc()
             what = "queued prompt tokens" if decision.stage == "tokens" else f"the {decision.stage} queue"

@@ -42,6 +42,7 @@ def _create_engine(settings: Settings, model_path: str | None) -> Engine:
             kv_cache_gib=settings.kv_cache_gib,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             max_num_seqs=settings.max_batch_size,
+            max_logprobs=settings.max_logprobs,
         )
     if kind is EngineKind.TRANSFORMERS:
         from llmpipe.engines.hf_engine import TransformersEngine

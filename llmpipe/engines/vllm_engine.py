@@ -117,6 +117,7 @@ class VllmEngine(Engine):
         max_num_seqs: int = 32,
         seed: int = 0,
         start_timeout_s: float = 900.0,
+        max_logprobs: int = 20,
     ) -> None:
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         self._on_cpu = _on_cpu()
@@ -143,6 +144,7 @@ class VllmEngine(Engine):
                 kv_cache_memory_bytes=kv_bytes,
                 max_num_seqs=max_num_seqs,
                 seed=seed,
+                max_logprobs=max_logprobs,  # the API refuses more (settings.max_logprobs)
                 disable_log_stats=True,  # our own stat logger below still gets the stats
             )
         except Exception as e:
