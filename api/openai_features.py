@@ -31,6 +31,8 @@ def check_request(req: CompletionRequest | ChatCompletionRequest, s: Settings) -
                                   f"{s.max_logprobs}", param=name)
     if req.stream and req.sample_logprobs() is not None:
         raise BadRequestError("llmpipe does not stream log probabilities: ask without `stream`", param="logprobs")
+    if req.stream and req.return_token_ids:
+        raise BadRequestError("llmpipe does not stream token ids: ask without `stream`", param="return_token_ids")
     if req.response_format is not None and req.response_format.structured() is not None and engine not in _STRUCTURED:
         raise BadRequestError(f"response_format {req.response_format.type!r} needs structured outputs, which the "
                               f"{engine.value} engine does not have (run the vllm engine)", param="response_format")
@@ -41,12 +43,16 @@ def completion_choice(r: PromptResult, req: CompletionRequest, inp: dict) -> dic
     as_ids = bool(req.return_tokens_as_token_ids)
     text, ids, positions = r.text, r.token_ids, r.logprobs
     if req.echo:
-        prompt_text = inp["prompt"] if "prompt" in inp else (r.prompt_text or "")
-        text = prompt_text + r.text
+        prompt_text = echo_text(inp, r.prompt_text)
         prompt_ids = r.prompt_token_ids or []
-        ids = [*prompt_ids, *r.token_ids]
-        if positions is not None:
-            positions = [*(r.prompt_logprobs or [[] for _ in prompt_ids]), *positions]
+        prompt_positions = r.prompt_logprobs or [[] for _ in prompt_ids]
+        if req.echo_only():
+            text, ids, positions = prompt_text, prompt_ids, prompt_positions if positions is not None else None
+        else:
+            text = prompt_text + r.text
+            ids = [*prompt_ids, *r.token_ids]
+            if positions is not None:
+                positions = [*prompt_positions, *positions]
     return {
         "index": r.index, "text": text, "finish_reason": r.finish_reason.value, "stop_reason": r.stop_reason,
         "logprobs": None if positions is None else completion_logprobs(ids, positions, req.logprobs, as_ids=as_ids),
@@ -54,6 +60,12 @@ def completion_choice(r: PromptResult, req: CompletionRequest, inp: dict) -> dic
         "prompt_logprobs": prompt_logprobs_field(r.prompt_logprobs),
         "prompt_token_ids": r.prompt_token_ids if req.return_token_ids else None,
     }
+
+
+def echo_text(inp: dict, decoded: str | None) -> str:
+    """The prompt as vLLM echoes it: the text as sent, or a token-id prompt decoded with its
+    special tokens."""
+    return inp["prompt"] if "prompt" in inp else (decoded or "")
 
 
 def chat_choice(r: PromptResult, req: ChatCompletionRequest) -> dict:

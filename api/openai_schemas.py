@@ -126,7 +126,7 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         description="Text prompt(s), or token-id prompt(s): one list of ids, or a list of them.")
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0, description="0 with echo: score the prompt only, as vLLM.")
     echo: bool = False
     logprobs: int | None = Field(default=None, description="Top logprobs per token (0: the sampled token's only).")
 
@@ -144,6 +144,18 @@ class CompletionRequest(_Common):
         if v is not None and v < -1:
             raise BadRequestError("`logprobs` must be a positive value or -1.", param="logprobs")
         return v
+
+    @model_validator(mode="after")
+    def _echo_only(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise BadRequestError("max_tokens must be at least 1, got 0.", param="max_tokens")
+        if self.max_tokens == 0 and self.stream:
+            raise BadRequestError("llmpipe does not stream an echo without generation (max_tokens 0)", param="max_tokens")
+        return self
+
+    def echo_only(self) -> bool:
+        """vLLM: echo with max_tokens 0 answers the prompt alone (one token is generated, unseen)."""
+        return self.echo and self.max_tokens == 0
 
     def inputs(self) -> list[dict]:
         """One job input per prompt: {"prompt": text} or {"prompt_token_ids": ids}."""

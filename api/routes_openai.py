@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from api.detok import Detokenizer
 from api.errors import ERROR_RESPONSES
 from api.jobs import JobService
-from api.openai_features import chat_choice, chat_extras, check_request, completion_choice
+from api.openai_features import chat_choice, chat_extras, check_request, completion_choice, echo_text
 from api.openai_schemas import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
     CompletionRequest, CompletionResponse, ModelCard, ModelList, UsageOut,
@@ -102,9 +102,16 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
         """OpenAI completions; ``stream: true`` answers with server-sent events."""
         model = check_model(req.model)
         check_request(req, settings)
-        max_tokens = req.max_tokens or 16
+        max_tokens = 16 if req.max_tokens is None else max(1, req.max_tokens)  # 0: echo only (vLLM)
         limits(req.n)
         inputs = req.inputs()
+
+        def first(job_id):  # echo: the prompt comes first, as vLLM streams it
+            if not req.echo:
+                return []
+            texts = [echo_text(inp, None if "prompt" in inp else detok.decode_with_special(inp["prompt_token_ids"]))
+                     for inp in inputs]
+            return [chunk(job_id, i, texts[i // req.n], None) for i in range(len(inputs) * req.n)]
 
         def chunk(job_id, i, text, finish):
             return {"id": f"cmpl-{job_id}", "object": "text_completion", "created": int(time.time()), "model": model,
@@ -115,7 +122,7 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
                 CompletionChoice(**completion_choice(r, req, inputs[r.index // req.n])) for r in view.result.results])
 
         return await run(inputs, lambda k: req.sampling(max_tokens, k), req.n,
-                         req.stream, req.timeout, build, chunk, lambda job_id: [], req.stops(),
+                         req.stream, req.timeout, build, chunk, first, req.stops(),
                          bool(req.stream_options and req.stream_options.include_usage),
                          bool(req.stream_options and req.stream_options.continuous_usage_stats))
 

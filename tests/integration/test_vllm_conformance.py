@@ -70,7 +70,7 @@ def servers(tmp_path_factory, redis_server, tiny_model, pipeline_starter):
 
 
 def _post(base: str, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{base}{path}", json=body, timeout=120)
+    return httpx.post(f"{base}{path}", json=body, timeout=300)  # a busy 2-core machine
 
 
 def both(servers, path: str, body: dict) -> tuple[dict, dict]:
@@ -150,6 +150,21 @@ def test_echo_with_logprobs_scores_the_prompt(servers, tiny_model):
         assert ours["choices"][0]["prompt_logprobs"][0] is None
 
 
+def test_echo_without_generation_scores_the_prompt_only(servers, tiny_model):
+    body = {"model": tiny_model, "prompt": "Paris is a city in", "max_tokens": 0, "temperature": 0, "logprobs": 1,
+            "echo": True}
+    ours, theirs = both(servers, "/v1/completions", body)
+    same_completion(ours, theirs)
+    assert ours["choices"][0]["text"] == "Paris is a city in"
+
+
+def test_stream_echo_sends_the_prompt_first(servers, tiny_model):
+    body = {"model": tiny_model, "prompt": [262, 290, 83, 779], "max_tokens": 5, "temperature": 0, "echo": True,
+            "stream": True}
+    (t1, _), (t2, _) = (_stream(base, body) for base in servers)
+    assert t1 == t2 and t1.startswith("hello there")
+
+
 def test_stop_strings_and_stop_token_ids(servers, tiny_model):
     base = {"model": tiny_model, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0,
             "return_token_ids": True}
@@ -184,7 +199,7 @@ def test_response_format_json(servers, tiny_model):
 
 def _stream(base: str, body: dict) -> tuple[str, list[dict]]:
     text, chunks = "", []
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=300) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
@@ -211,6 +226,7 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "response_format": {"type": "json_schema"}}),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "prompt_logprobs": 1, "stream": True}),
     ("/v1/completions", {"prompt": "", "max_tokens": 4}),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}),
     ("/v1/completions", {"prompt": [1, 2, 99999], "max_tokens": 4}),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 4, "model": "not-this-model"}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}),
