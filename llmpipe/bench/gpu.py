@@ -55,7 +55,7 @@ class GpuSampler:
             self.name = subprocess.run([exe, "--query-gpu=name,driver_version", "--format=csv,noheader"],
                                        capture_output=True, text=True, timeout=30).stdout.strip().splitlines()[0]
             self._proc = subprocess.Popen([exe, f"--query-gpu={QUERY}", "--format=csv,noheader,nounits",
-                                           f"-lms={self.interval_ms}", "--id=0"],
+                                           f"--loop-ms={self.interval_ms}", "--id=0"],
                                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
         except (OSError, subprocess.SubprocessError, IndexError) as e:
             self.unavailable = f"nvidia-smi failed: {e}"

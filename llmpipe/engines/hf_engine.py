@@ -1,5 +1,10 @@
 """A plain transformers engine: one static batch at a time, no vLLM needed.
 
+Its dtype and device follow the platform rule (llmpipe/engines/platform.py): bf16 on a
+GPU, float32 on the CPU. A batch is one padded tensor with its attention mask: one
+batched prefill, then one batched forward per generated token. A model folder marked as
+random-weight (llmpipe/models/random_llama.py) is built from its config on the device.
+
 The decode loop is our own (prefill once with left padding, then one token per step with
 the KV cache), so that every request of a batch keeps its own sampling parameters,
 ``max_tokens`` and stop ids, and ``on_tokens`` is called after every step.

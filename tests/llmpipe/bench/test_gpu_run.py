@@ -4,6 +4,7 @@ arithmetic, the pack's closure rules, and the random-weight model the engine bui
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from packaging.requirements import Requirement
@@ -93,3 +94,26 @@ def test_random_llama_folder_is_what_the_pipeline_reads(tmp_path, tiny_model, sh
     assert cfg["num_hidden_layers"] == {"13b": 40, "1b": 22}[shape] and cfg["vocab_size"] == 32000
     assert context_length(path) == {"13b": 4096, "1b": 2048}[shape]
     assert (path / "tokenizer.json").is_file() and (path / "generation_config.json").is_file()
+
+
+def test_sampler_reads_a_stream_of_nvidia_smi_lines(tmp_path, monkeypatch):
+    """The plumbing (child, reader thread, stop) against a stand-in nvidia-smi on PATH."""
+    import time
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text('#!/bin/sh\ncase "$*" in *name,driver_version*) echo "Fake GPU, 1.0"; exit 0;; esac\n'
+                    'while true; do echo "75, 1024, 2048"; sleep 0.05; done\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    t0 = time.time()
+    s = GpuSampler(interval_ms=50).start()
+    try:
+        end = time.monotonic() + 30
+        while len(s.samples) < 3 and time.monotonic() < end:
+            time.sleep(0.05)
+    finally:
+        s.stop()
+    assert s.name == "Fake GPU, 1.0" and s.unavailable is None
+    got = s.summary(t0, time.time())
+    assert got["samples"] >= 3 and got["util_mean_pct"] == 75.0 and got["mem_total_mib"] == 2048.0
+    assert len(s.timeline()) == len(s.samples)
