@@ -95,15 +95,18 @@ class VllmEngine(Engine):
         self,
         model: str,
         *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        enforce_eager: bool = True,
         kv_cache_gib: float = 1.0,
-        gpu_memory_utilization: float = 0.85,
-        max_num_seqs: int = 32,
-        seed: int = 0,
         start_timeout_s: float = 900.0,
+        **engine_args: Any,
     ) -> None:
+        """``engine_args``: vLLM AsyncEngineArgs fields (dtype, max_model_len, enforce_eager,
+        max_num_seqs, tensor_parallel_size, ...); llmpipe/engines/platform.py chooses them.
+        A None value leaves vLLM's own default."""
+        from llmpipe.engines.vllm_args import OWNED
+
+        owned = sorted(set(engine_args) & set(OWNED))
+        if owned:
+            raise EngineError(f"engine argument {owned[0]} is set by the pipeline: {OWNED[owned[0]]}")
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         self._on_cpu = _on_cpu()
         kv_bytes: int | None = None
@@ -117,19 +120,17 @@ class VllmEngine(Engine):
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         self._model = model
+        args: dict[str, Any] = {
+            "dtype": "auto",
+            "enforce_eager": True,
+            "seed": 0,
+            "kv_cache_memory_bytes": kv_bytes,
+            "disable_log_stats": True,  # our own stat logger below still gets the stats
+            **engine_args,
+        }
+        args = {k: v for k, v in args.items() if v is not None}
         try:
-            self._args = AsyncEngineArgs(
-                model=model,
-                skip_tokenizer_init=True,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                enforce_eager=enforce_eager,
-                gpu_memory_utilization=gpu_memory_utilization,
-                kv_cache_memory_bytes=kv_bytes,
-                max_num_seqs=max_num_seqs,
-                seed=seed,
-                disable_log_stats=True,  # our own stat logger below still gets the stats
-            )
+            self._args = AsyncEngineArgs(model=model, skip_tokenizer_init=True, **args)
         except Exception as e:
             raise EngineError(f"bad vLLM engine arguments for {model!r}: {type(e).__name__}: {e}") from e
         self._stats = _StatsSink()
