@@ -8,6 +8,7 @@ the text from the job's result. A client that disconnects has its job cancelled
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -76,8 +77,9 @@ async def stream_job(
     aredis: aioredis.Redis, detok: Detokenizer, chunk: ChunkFn, first: list[dict], usage_chunk: Callable[[JobView], dict] | None,
     deadline: float,
 ) -> AsyncIterator[bytes]:
-    tok = await run_in_threadpool(detok.tokenizer)  # the first call reads a file
-    choices = [_Choice(IncrementalText(tok), stops) for _ in range(n_choices)]
+    # The first call reads a file: off the event loop, while the stream is already read.
+    loading = asyncio.ensure_future(run_in_threadpool(detok.tokenizer))
+    choices: list[_Choice] = []
     ids: dict[int, list[int]] = {}
     last = "0-0"
     for obj in first:
@@ -88,6 +90,9 @@ async def stream_job(
         ended = (await run_in_threadpool(service.view, job_id, False)).status.terminal
         while True:
             resp = await aredis.xread({stream_key(job_id): last}, count=256, block=None if ended else 50)
+            if resp and not choices:
+                tok = await loading
+                choices = [_Choice(IncrementalText(tok), stops) for _ in range(n_choices)]
             for _, entries in resp or []:
                 last = entries[-1][0]
                 for i, new in apply_entries(entries, ids).items():
@@ -106,6 +111,8 @@ async def stream_job(
     if not view.status.terminal:
         await run_in_threadpool(service.expire, job_id, "the job did not finish by its deadline")
         view = await run_in_threadpool(service.view, job_id, False)
+    if not choices:
+        choices = [_Choice(IncrementalText(await loading), stops) for _ in range(n_choices)]
     if view.status == JobStatus.SUCCEEDED and view.result is not None:
         for r in view.result.results:
             c = choices[r.index]

@@ -97,3 +97,26 @@ def test_a_job_that_ends_during_an_outage_wakes_its_long_poll_after_it(outage, h
     t.join(35)
     assert out["view"]["status"] == "succeeded" and out["at"] - done_at < 1.0
     assert waiter.watching == 0
+
+
+def test_a_waiting_openai_call_sits_out_a_redis_blip(outage, helpers):
+    """Its job runs already: a 503 now would make the client retry into a second job."""
+    server, client, waiter = outage
+    r = redis.Redis.from_url(server.url)
+    out = {}
+    t = threading.Thread(target=lambda: out.setdefault("r", client.post(
+        "/v1/completions", json={"prompt": "x", "max_tokens": 2})))
+    t.start()
+    assert helpers.wait_for(lambda: r.llen("preprocess") == 1, 10)
+    job_id = next(iter(r.scan_iter("llmpipe:job:*"))).decode().removeprefix("llmpipe:job:")
+    assert helpers.wait_for(lambda: helpers.subscribed(r, done_channel(job_id)) == 1, 10)
+    r.save()  # the test server keeps no AOF: the restart loads this snapshot
+    server.stop()
+    assert helpers.wait_for(lambda: waiter.reconnects >= 1 and waiter._pubsub is None, 10)  # the waiter saw it
+    server.start()
+    (server.data_dir / "dump.rdb").unlink()
+    assert helpers.wait_for(lambda: helpers.subscribed(r, done_channel(job_id)) == 1, 10)
+    assert t.is_alive()  # still waiting, not answered
+    helpers.finish_job(r, job_id, text=" ok")
+    t.join(30)
+    assert out["r"].status_code == 200 and out["r"].json()["choices"][0]["text"] == " ok"
