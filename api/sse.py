@@ -87,7 +87,8 @@ async def stream_job(
     async with waiter.watch(job_id) as woken:
         # Read after the watch began, so an end that lands in between is not missed; each
         # wake-up is a hint to read the record again.
-        ended = (await run_in_threadpool(service.view, job_id, False)).status.terminal
+        view = await run_in_threadpool(service.view, job_id, False)
+        ended = view.status.terminal
         while True:
             resp = await aredis.xread({stream_key(job_id): last}, count=256, block=None if ended else 50)
             if resp and not choices:
@@ -104,11 +105,11 @@ async def stream_job(
                 break  # every token published before the end has been sent
             if not ended and woken.is_set():
                 woken.clear()
-                ended = (await run_in_threadpool(service.view, job_id, False)).status.terminal
+                view = await run_in_threadpool(service.view, job_id, False)
+                ended = view.status.terminal
             if not ended and time.time() > deadline + 5:
                 break  # nothing ended the job; it is settled expired below
-    view = await run_in_threadpool(service.view, job_id, False)
-    if not view.status.terminal:
+    if not view.status.terminal:  # (an ended record never changes: no need to read it again)
         await run_in_threadpool(service.expire, job_id, "the job did not finish by its deadline")
         view = await run_in_threadpool(service.view, job_id, False)
     if not choices:
