@@ -9,17 +9,19 @@ import threading
 from pathlib import Path
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 
 class Detokenizer:
-    """``model_path`` may be a callable, so that resolving the model waits for first use."""
+    """``model_path`` may be a callable, so that resolving the model waits for first use.
+    Loading reads a file: call :meth:`tokenizer` off the event loop the first time."""
 
     def __init__(self, model_path):
         self._model_path = model_path
         self._tok: Tokenizer | None = None
         self._lock = threading.Lock()
 
-    def _get(self) -> Tokenizer:
+    def tokenizer(self) -> Tokenizer:
         if self._tok is None:
             with self._lock:
                 if self._tok is None:
@@ -29,24 +31,23 @@ class Detokenizer:
         return self._tok
 
     def decode(self, ids: list[int]) -> str:
-        return self._get().decode(ids, skip_special_tokens=True)
+        return self.tokenizer().decode(ids, skip_special_tokens=True)
 
 
 class IncrementalText:
-    """Text deltas from a growing list of token ids. A trailing partial UTF-8 sequence
-    decodes to U+FFFD; it is held back until the next token completes it."""
+    """Text deltas from a growing list of token ids, in O(1) per token: the library's own
+    streaming decoder (``DecodeStream``) keeps only the last few ids it needs. A token
+    that ends inside a UTF-8 sequence gives no text until the next one completes it; what
+    is still held at the end comes with the final text (``_Choice.rest`` in api/sse.py)."""
 
-    def __init__(self, detok: Detokenizer):
-        self.detok = detok
-        self.ids: list[int] = []
-        self.sent = ""
+    def __init__(self, tokenizer: Tokenizer):
+        self._tok = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
 
     def push(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
-        text = self.detok.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        if not text.startswith(self.sent):  # a merge changed earlier text; send nothing stale
-            return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
+        out = []
+        for i in new_ids:
+            piece = self._stream.step(self._tok, i)
+            if piece:
+                out.append(piece)
+        return "".join(out)

@@ -7,7 +7,12 @@ others every ``partial_every_s``, which is enough for ``GET /v1/jobs/{id}`` to s
 text produced so far.
 
 Entry fields: ``i`` prompt index, ``o`` offset of the first id in ``d``, ``d`` the new
-token ids as JSON. Offsets make a replayed or redelivered stream idempotent to readers.
+token ids as JSON. Offsets make a replayed entry idempotent to readers.
+
+What is published is never taken back: a request that is run again (a batch split after an
+engine error, a message redelivered after a crash) resumes from the ids already published
+for it (``register(prefix=...)``, :func:`read_published`), so the stream always stays a
+prefix of the final output (llmpipe/processors/inference_processor.py).
 """
 
 from __future__ import annotations
@@ -52,9 +57,12 @@ class TokenPublisher:
         self._thread = threading.Thread(target=self._loop, name="llmpipe-token-publisher", daemon=True)
         self._thread.start()
 
-    def register(self, request_id: str, job_id: str, index: int, stream: bool) -> None:
+    def register(self, request_id: str, job_id: str, index: int, stream: bool, prefix: list[int] | None = None) -> None:
+        """``prefix``: ids already published for this request (by an earlier delivery)."""
+        prefix = list(prefix or [])
         with self._lock:
-            self._tracked[request_id] = _Tracked(job_id, index, stream, last_flush=self._clock())
+            self._tracked[request_id] = _Tracked(job_id, index, stream, ids=prefix, published=len(prefix),
+                                                 last_flush=self._clock())
 
     def on_tokens(self, request_id: str, ids_so_far: list[int]) -> None:
         t = self._tracked.get(request_id)
@@ -104,3 +112,28 @@ class TokenPublisher:
         self._stop.set()
         self._thread.join(timeout=2)
         self.flush(force=True)
+
+
+def apply_entries(entries: list[tuple[Any, dict]], ids_by_index: dict[int, list[int]]) -> dict[int, list[int]]:
+    """Merge stream entries into ``ids_by_index``; returns the ids new to each index.
+
+    Entries carry their offset, so a replayed entry adds nothing."""
+    new: dict[int, list[int]] = {}
+    for _, fields in entries:
+        f = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in fields.items()}
+        i, off, delta = int(f["i"]), int(f["o"]), json.loads(f["d"])
+        have = ids_by_index.setdefault(i, [])
+        if off > len(have):
+            continue  # a gap: wait for the entry that fills it
+        fresh = delta[len(have) - off:]
+        if fresh:
+            have.extend(fresh)
+            new.setdefault(i, []).extend(fresh)
+    return new
+
+
+def read_published(r: Any, job_id: str) -> dict[int, list[int]]:
+    """Every id published so far for the job, by prompt index (one XRANGE)."""
+    ids: dict[int, list[int]] = {}
+    apply_entries(r.xrange(stream_key(job_id)), ids)
+    return ids

@@ -11,7 +11,11 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 echo "llmpipe: setting up $VENV (first run takes a few minutes)" >&2
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' ||
+    { echo "llmpipe: needs Python 3.11 or newer; $PY is $("$PY" -V 2>&1). Set PYTHON=python3.11" >&2; exit 1; }
+  "$PY" -m venv "$VENV"
+fi
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 
 if [ -n "${LLMPIPE_EXTRA:-}" ]; then

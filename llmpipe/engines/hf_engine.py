@@ -31,6 +31,7 @@ from typing import Any
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
 from llmpipe.errors import EngineDeadError, EngineError
 from llmpipe.messages import FinishReason
+from llmpipe.metrics import ENGINE_ABORTS
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +210,7 @@ class TransformersEngine(Engine):
                         continue
                     if r.request_id in self._cancelled:
                         reasons[i] = FinishReason.CANCELLED
+                        ENGINE_ABORTS.inc()
                         continue
                     tok = chosen[i]
                     tokens[i].append(tok)

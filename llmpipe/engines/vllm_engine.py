@@ -25,6 +25,7 @@ from typing import Any
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
 from llmpipe.errors import EngineDeadError, EngineError
 from llmpipe.messages import FinishReason, SamplingParams
+from llmpipe.metrics import ENGINE_ABORTS
 
 log = logging.getLogger(__name__)
 
@@ -255,6 +256,7 @@ class VllmEngine(Engine):
                 # abort() raced with the request being added; abort it now that it exists.
                 abort_sent = True
                 await self._llm.abort(rid)
+                ENGINE_ABORTS.inc()
         if finish == "error":
             raise EngineError(f"vLLM reported a request-level error for {rid}", transient=True)
         reason = {
@@ -350,6 +352,8 @@ class VllmEngine(Engine):
             await self._llm.abort(ids)
         except Exception:
             log.warning("vLLM abort of %s failed", ids, exc_info=True)
+        else:
+            ENGINE_ABORTS.inc(len(ids))
 
     def stats(self) -> dict[str, float]:
         with self._lock:

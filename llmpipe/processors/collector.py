@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import redis.exceptions
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
 from llmpipe.messages import ErrorReason, JobResult, JobStatus, PromptResult, StageError, Usage
+
+log = logging.getLogger("llmpipe.collect")
+_REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
 def collect_job(job_id: str, results: list[dict]) -> JobResult:
@@ -27,3 +37,49 @@ def collect_job(job_id: str, results: list[dict]) -> JobResult:
             stage=first.stage,
         )
     return JobResult(job_id=job_id, status=status, results=prompts, usage=usage, error=error)
+
+
+class JobCollector:
+    """The chord callback's work, without Celery: the job record takes the result and its
+    terminal status in one step (the one source of truth; llmpipe/jobs.py), then the job's
+    admission reservation and stage memos are freed.
+
+    A Redis blip must not fail a job whose prompts all succeeded: the record write is
+    retried with backoff for up to ``settle_for_s`` (if Redis stays away, the watchdog
+    adopts the chord's stored result at the deadline), and the clean-ups only log, since
+    the reservation ends at the deadline and the memos expire by themselves.
+    """
+
+    def __init__(self, store: Any, *, release: Callable[[str], Any], forget: Callable[[list[str]], Any],
+                 settle_for_s: float = 10.0, sleep: Callable[[float], None] | None = None):
+        self.store = store
+        self._release = release
+        self._forget = forget
+        self.settle_for_s = settle_for_s
+        self._sleep = sleep
+
+    def collect(self, job_id: str, results: list[dict]) -> JobResult:
+        job = collect_job(job_id, results)
+        self._settle(job)
+        for what, step in (("admission release", lambda: self._release(job_id)),
+                           ("memo clean-up", lambda: self._forget([f"{job_id}-{r.index}" for r in job.results]))):
+            try:
+                step()
+            except Exception as exc:
+                log.warning("job=%s stage=collect %s failed (%s: %s); it expires by itself",
+                            job_id, what, type(exc).__name__, exc)
+        return job
+
+    def _settle(self, job: JobResult) -> None:
+        kwargs = {"sleep": self._sleep} if self._sleep is not None else {}
+        retrying = Retrying(stop=stop_after_delay(self.settle_for_s), wait=wait_exponential(multiplier=0.1, max=2.0),
+                            retry=retry_if_exception_type(_REDIS_ERRORS), reraise=True, **kwargs)
+        try:
+            moved = retrying(self.store.finish, job)
+        except _REDIS_ERRORS as exc:
+            log.error("job=%s stage=collect could not write the job record (%s); the watchdog settles it "
+                      "from the chord result at its deadline", job.job_id, exc)
+            return
+        if not moved:
+            log.info("job=%s stage=collect the job had already ended (cancelled or expired); result not recorded",
+                     job.job_id)

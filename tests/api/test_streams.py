@@ -3,7 +3,7 @@
 import json
 
 from api.sse import _Choice
-from api.streams import apply_entries
+from llmpipe.streaming import apply_entries
 
 
 def _e(i, off, ids):
@@ -19,10 +19,10 @@ def test_entries_merge_by_offset_and_replays_add_nothing():
     assert have == {0: [1, 2, 3], 1: [9]}
 
 
-class CharDetok:
+class CharText:
     """Each id is one character: chr(id)."""
 
-    def decode(self, ids):
+    def push(self, ids):
         return "".join(chr(i) for i in ids)
 
 
@@ -31,7 +31,7 @@ def _ids(text):
 
 
 def test_choice_never_sends_half_a_stop_string():
-    c = _Choice(CharDetok(), stops=["END"])
+    c = _Choice(CharText(), stops=["END"])
     sent = c.push(_ids("hello E"))
     assert sent == "hello"  # "E" (and the space before it within the holdback) waits
     sent += c.push(_ids("N"))
@@ -41,7 +41,7 @@ def test_choice_never_sends_half_a_stop_string():
 
 
 def test_choice_rest_completes_from_the_final_text():
-    c = _Choice(CharDetok(), stops=[])
+    c = _Choice(CharText(), stops=[])
     assert c.push(_ids("abc")) == "abc"
     assert c.rest("abcdef") == "def"
     assert c.rest("abcdef") == ""
