@@ -120,13 +120,20 @@ def test_container_commands_are_real_llmpipe_commands():
         for c in _containers(obj):
             if not c["image"].startswith("llmpipe"):
                 continue
+            if "command" in c:  # a module of the package, run as a sidecar
+                assert c["command"][:3] == ["python", "-m", "llmpipe.metrics_exporter"], c["command"]
+                from llmpipe.metrics_exporter import parser
+
+                parser().parse_args(c["command"][3:])
+                seen.add("metrics-exporter")
+                continue
             args = c["args"]
             assert args[0] in main.commands, f"{obj['metadata']['name']}: no `llmpipe {args[0]}`"
             cmd = main.commands[args[0]]
             cmd.make_context(args[0], list(args[1:]))  # raises on an unknown flag or a bad choice
             seen.add(" ".join(args[:2]))
     assert {"worker preprocess", "worker postprocess", "worker inference", "model smollm2"} <= seen
-    assert {"api --host", "flower --port"} <= seen
+    assert {"api --host", "flower --port", "metrics-exporter"} <= seen
 
 
 def test_llmpipe_variables_are_real_settings():
