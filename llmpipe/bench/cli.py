@@ -80,10 +80,11 @@ def _loadavg() -> str:
 @click.option("--quick", is_flag=True, help="Smoke profile: tiny model, transformers, a handful of requests.")
 @click.option("--workers", callback=_csv(int), help="Scaling mode: inference worker counts (default 1,2,4).")
 @click.option("--hop-rtt-ms", type=float, help="Scaling mode: added round trip between two hosts (default 20).")
+@click.option("--cpu-instances", type=int, help="Scaling mode: Celery workers per CPU stage (default 4).")
 @click.pass_context
 def bench(ctx, engines, modes, concurrency, rate, requests, duration, prompt_tokens, max_tokens, model, real_engine,
           max_batch_size, cpu_workers, sim_preprocess_ms, sim_postprocess_ms, sim_prefill_ms_per_token, sim_step_ms,
-          sim_step_ms_per_seq, api, request_timeout, out, quick, workers, hop_rtt_ms):
+          sim_step_ms_per_seq, api, request_timeout, out, quick, workers, hop_rtt_ms, cpu_instances):
     """Benchmark serial, pipeline (no batching, 50 ms window, continuous) and `vllm serve`
     on real vLLM, a SIMULATED GPU and a no-op engine; writes report.md, results.json and
     plots to --out. `--modes scaling` instead runs 1, 2 and 4 inference workers on hosts

@@ -36,9 +36,10 @@ from llmpipe.settings import EngineKind, Settings
 # allows on 2 cores (~40 req/s, docs/benchmarks.md). The GPU, not the CPU, is the limit.
 SIM_SCALE = 4.0
 FULL = {"workers": [1, 2, 4], "concurrency": [64, 128], "network_concurrency": [1, 64], "prompt_tokens": 512,
-        "max_tokens": 64, "max_batch": 8, "sim_scale": SIM_SCALE, "cpu_workers": 8}
+        "max_tokens": 64, "max_batch": 8, "sim_scale": SIM_SCALE, "cpu_workers": 2, "cpu_instances": 4}
 QUICK = {"workers": [1, 2, 4], "concurrency": [8], "network_concurrency": [1], "prompt_tokens": 32, "max_tokens": 8,
-         "max_batch": 2, "sim_scale": 1.0, "requests": 16, "network_requests": 4, "cpu_workers": 2}
+         "max_batch": 2, "sim_scale": 1.0, "requests": 16, "network_requests": 4, "cpu_workers": 2,
+         "cpu_instances": 1}
 TARGETS = {2: 1.9, 4: 3.5}  # throughput with N workers against one, in the same run
 FULL_BATCH = 0.9  # a worker's mean batch at or above this share of the max batch counts as full
 
@@ -55,6 +56,7 @@ class ScalingOptions:
     max_batch: int
     cpu_workers: int
     sim: dict
+    cpu_instances: int = 1
     hop_rtt_ms: float = 20.0
     requests: int | None = None  # per point; None: 4c + 16 (20 at c=1)
     network_requests: int | None = None
@@ -162,7 +164,7 @@ def _run_layout(o: ScalingOptions, layout: str, console: Console, points: list[t
     settings = _setup(o).settings(MODES["pipeline-window50"], "redis://unused:1/0", base / "state")
     rows = []
     with Hosts(base / "logs", one_way_delay_ms=0 if one else o.hop_rtt_ms / 2, console=console) as hosts:
-        hp = HostsPipeline(settings, hosts, placement, extra_env=dict(BASE_ENV))
+        hp = HostsPipeline(settings, hosts, placement, extra_env=dict(BASE_ENV), cpu_instances=o.cpu_instances)
         t0 = time.monotonic()
         with console.status(f"{layout}: starting {len(placement.names)} host(s)"):
             hp.start(points[0][0])
@@ -186,9 +188,14 @@ def _run_layout(o: ScalingOptions, layout: str, console: Console, points: list[t
 
 
 def run_scaling(o: ScalingOptions, console: Console) -> list[dict]:
-    # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the hosts are torn down.
+    # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the hosts are torn down; a
+    # second one (timeout(1) forwards its own) must not cut that tear-down short.
+    def on_sigterm(*_):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.exit(143)
+
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+        signal.signal(signal.SIGTERM, on_sigterm)
     workers = sorted(set(o.workers))
     spread = [(w, c, False) for w in workers for c in o.concurrency]
     # The network comparison uses one worker; points the scaling run has already taken
@@ -211,7 +218,8 @@ def conditions_text(o: ScalingOptions) -> str:
             f"~{o.measured_prompt_tokens:.0f} tokens (measured), max_tokens {o.max_tokens} with ignore_eos; one request "
             f"alone = {one * 1000:.0f} ms, a full batch of {o.max_batch} = {full * 1000:.0f} ms of simulated GPU time, "
             f"so one worker's capacity is {o.capacity_rps(1):.2f} req/s. Batching window 50 ms, max batch "
-            f"{o.max_batch}; CPU pools of {o.cpu_workers} processes; simulated CPU burn "
+            f"{o.max_batch}; {o.cpu_instances} Celery worker(s) per CPU stage, each a pool of {o.cpu_workers} "
+            f"processes; simulated CPU burn "
             f"{o.sim['sim_preprocess_cpu_ms']:g} / {o.sim['sim_postprocess_cpu_ms']:g} ms (pre / post). Hosts: network "
             f"namespaces on one bridge; Redis, the API, the CPU workers (preprocess + postprocess/collect), each "
             f"inference worker and the load generator on their own; every path between two hosts (API->Redis, "
@@ -252,6 +260,7 @@ def bench_scaling(given: dict, console: Console) -> int:
         prompt_tokens=given.get("prompt_tokens") or prof["prompt_tokens"],
         max_tokens=given.get("max_tokens") or prof["max_tokens"], max_batch=given.get("max_batch_size") or prof["max_batch"],
         cpu_workers=given.get("cpu_workers") or prof["cpu_workers"],
+        cpu_instances=given.get("cpu_instances") or prof["cpu_instances"],
         sim=scaled_sim(defaults, prof["sim_scale"], {k: given.get(k) for k in (
             "sim_prefill_ms_per_token", "sim_step_ms", "sim_step_ms_per_seq", "sim_preprocess_cpu_ms",
             "sim_postprocess_cpu_ms")}),
@@ -273,7 +282,7 @@ def bench_scaling(given: dict, console: Console) -> int:
     result = {"meta": meta, "conditions": conditions_text(o), "rows": rows,
               "options": {"workers": o.workers, "concurrency": o.concurrency, "network_concurrency": o.network_concurrency,
                           "prompt_tokens": o.prompt_tokens, "max_tokens": o.max_tokens, "max_batch": o.max_batch,
-                          "cpu_workers": o.cpu_workers, "sim": o.sim, "hop_rtt_ms": o.hop_rtt_ms, "model": model_path},
+                          "cpu_workers": o.cpu_workers, "cpu_instances": o.cpu_instances, "sim": o.sim, "hop_rtt_ms": o.hop_rtt_ms, "model": model_path},
               "analysis": analyze(rows, hops, o.max_batch, o.concurrency, o.network_concurrency, quick)}
     files = write(result, out)
     for t in result["analysis"]["targets"]:

@@ -55,6 +55,10 @@ class HostsPipeline:
     hosts: Hosts
     placement: Placement
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Celery workers per CPU stage, each a pool of settings.cpu_workers processes: one
+    # worker's main process fetches, acks and reports every task, one Redis round trip
+    # after another, so far from Redis it caps a stage whatever its pool size.
+    cpu_instances: int = 1
     inference: list[Child] = field(default_factory=list)
     roles: dict[str, list[Child]] = field(default_factory=dict)
 
@@ -107,7 +111,8 @@ class HostsPipeline:
                 self.hosts.add(name)
         self.hosts.start_redis(p.redis, port=REDIS_PORT)
         for kind in ("preprocess", "postprocess"):
-            self._worker(p.cpu, kind, f"{kind}@{p.cpu}")
+            for i in range(self.cpu_instances):
+                self._worker(p.cpu, kind, f"{kind}-{i + 1}@{p.cpu}" if self.cpu_instances > 1 else f"{kind}@{p.cpu}")
         api = self.hosts.spawn(p.api, "api", [sys.executable, "-m", "llmpipe.cli", "api", "--host",
                                               self.hosts.addr(p.api), "--port", str(API_PORT)], self._env(p.api))
         self.roles["api"] = [api]

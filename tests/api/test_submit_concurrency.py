@@ -14,6 +14,7 @@ from celery import Celery
 import celeryconfig
 
 from api.jobs import JobService
+from api.result_backend import polling_backend_url
 from llmpipe.admission import Admission
 from llmpipe.hosts.proxy import DelayProxy
 from llmpipe.jobs import JobStore
@@ -41,7 +42,7 @@ def _start_proxy(target_port: int, delay_s: float):
 def test_concurrent_submissions_beyond_half_the_pool_all_get_through(redis_server, redis_client):
     loop, proxy = _start_proxy(redis_server.port, 0.010)
     url = f"redis://127.0.0.1:{proxy.port}/0"
-    app = Celery("submit-test", broker=url, backend=url)
+    app = Celery("submit-test", broker=url, backend=polling_backend_url(url))  # as the API does
     # A small pool makes the old deadlock certain.
     app.conf.update(broker_pool_limit=4, task_serializer="json", task_routes=celeryconfig.task_routes)
     r = redis.Redis.from_url(url)
