@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -41,6 +42,13 @@ class JobService:
         self.detok = detok
         self._clock = clock
         self.keys = keys or RequestKeys(store.r, ttl_s=settings.result_ttl_s)
+        # A chord of chains holds two producers of Celery's pool at once: the group takes
+        # one and each chain's first task acquires another (celery/celery#5220). Once
+        # broker_pool_limit / 2 submissions hold their first, all wait forever for a
+        # second; measured with a 20 ms round trip to Redis at 64 concurrent POSTs
+        # (docs/benchmarks.md, scaling). So at most that many submit at once.
+        limit = celery.conf.broker_pool_limit
+        self._submit_slots = threading.BoundedSemaphore(max(1, limit // 2)) if limit else None
 
     # -- submit ---------------------------------------------------------------------
     def check_limits(self, texts: list[str], n_prompts: int, max_tokens: int | None) -> None:
@@ -113,7 +121,11 @@ class JobService:
                 for m in msgs
             ]
             body_sig = self.celery.signature("llmpipe.collect", kwargs={"job_id": job_id, "submitted_at": now})
-            chord(header, body_sig).apply_async(task_id=job_id)
+            if self._submit_slots is None:
+                chord(header, body_sig).apply_async(task_id=job_id)
+            else:
+                with self._submit_slots:
+                    chord(header, body_sig).apply_async(task_id=job_id)
         except Exception as exc:
             self._undo(job_id, key, admitted=admitted, created=created)
             if isinstance(exc, OverloadedError):

@@ -3,6 +3,12 @@
 # re-runs only when pyproject.toml or this script changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The multi-host tests and `llmpipe bench --modes scaling` run hosts as network namespaces
+# with iproute2's `ip` (as root); install it where we can.
+if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  { apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null; } ||
+    echo "llmpipe: could not install iproute2; the hosts tests will be skipped" >&2
+fi
 VENV=${LLMPIPE_VENV:-.venv}
 PY=${PYTHON:-python3}
 want=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
