@@ -9,17 +9,19 @@ import threading
 from pathlib import Path
 
 from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
 
 
 class Detokenizer:
-    """``model_path`` may be a callable, so that resolving the model waits for first use."""
+    """``model_path`` may be a callable, so that resolving the model waits for first use.
+    Loading reads a file: call :meth:`tokenizer` off the event loop the first time."""
 
     def __init__(self, model_path):
         self._model_path = model_path
         self._tok: Tokenizer | None = None
         self._lock = threading.Lock()
 
-    def _get(self) -> Tokenizer:
+    def tokenizer(self) -> Tokenizer:
         if self._tok is None:
             with self._lock:
                 if self._tok is None:
@@ -29,28 +31,41 @@ class Detokenizer:
         return self._tok
 
     def decode(self, ids: list[int]) -> str:
-        return self._get().decode(ids, skip_special_tokens=True)
+        return self.tokenizer().decode(ids, skip_special_tokens=True)
 
     def decode_with_special(self, ids: list[int]) -> str:
         """Special tokens kept, as vLLM's ``/detokenize`` answers."""
-        return self._get().decode(ids, skip_special_tokens=False)
+        return self.tokenizer().decode(ids, skip_special_tokens=False)
 
 
 class IncrementalText:
-    """Text deltas from a growing list of token ids. A trailing partial UTF-8 sequence
-    decodes to U+FFFD; it is held back until the next token completes it."""
+    """Text deltas from a growing list of token ids, in O(1) per token: the library's own
+    streaming decoder (``DecodeStream``) keeps only the last few ids it needs. A token
+    that ends inside a UTF-8 sequence gives no text until the next one completes it; what
+    is still held at the end comes with the final text (``_Choice.rest`` in api/sse.py).
 
-    def __init__(self, detok: Detokenizer):
-        self.detok = detok
-        self.ids: list[int] = []
-        self.sent = ""
+    ``prefix``: the prompt's last ids, which postprocess decodes the output after
+    (llmpipe/processors/detokenize.py, as vLLM): the streamed text then is the final text's
+    own beginning, a first token's leading space included. ``stop_ids``: ids that end the
+    output without text of their own (vLLM drops a stop token's text), never decoded."""
+
+    def __init__(self, tokenizer: Tokenizer, prefix: list[int] | None = None, stop_ids: set[int] | frozenset = frozenset()):
+        self._tok = tokenizer
+        self._stop_ids = stop_ids
+        self._stream = DecodeStream(ids=list(prefix or []), skip_special_tokens=True)
 
     def push(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
-        text = self.detok.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        if not text.startswith(self.sent):  # a merge changed earlier text; send nothing stale
-            return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
+        out = []
+        for i in new_ids:
+            if i in self._stop_ids:
+                continue
+            try:
+                piece = self._stream.step(self._tok, i)
+            except Exception as exc:  # tokenizers' "Invalid prefix": restart, as vLLM (and postprocess) do
+                if not str(exc).startswith("Invalid prefix"):
+                    raise
+                self._stream = DecodeStream(skip_special_tokens=True)
+                piece = self._stream.step(self._tok, i)
+            if piece:
+                out.append(piece)
+        return "".join(out)

@@ -1,75 +1,129 @@
-"""The one place where errors become HTTP responses, all in one schema."""
+"""The one place where errors become HTTP responses, all in one schema.
+
+``ERROR_TABLE`` is the whole mapping, as data: for each error type its status, whether a
+client should retry, and a description (the OpenAPI responses are built from it). Every
+error response carries ``x-should-retry: true|false``: the ``openai`` client (and every
+Stainless-generated client) obeys it before it looks at the status, and the statuses of
+final errors are ones that generic clients do not retry either. So a request that failed
+for good (a poison prompt, a passed deadline, a cancelled job) is not sent again, and
+makes one job and one dead letter. Retryable errors (429, 503, 409 ``idempotency_key_in_use``)
+come with ``Retry-After``.
+"""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import redis.exceptions
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from kombu.exceptions import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmpipe.errors import (
-    BadRequestError, CancelledError, EngineError, ExpiredError, LlmpipeError, NotFoundError, OverloadedError,
-    UnavailableError,
-)
+from llmpipe.errors import LlmpipeError, OverloadedError
 from llmpipe.messages import ErrorReason
 
 log = logging.getLogger("llmpipe.api")
 
-_STATUS: list[tuple[type[LlmpipeError], int]] = [
-    (BadRequestError, 400),
-    (NotFoundError, 404),
-    (ExpiredError, 408),
-    (CancelledError, 409),
-    (OverloadedError, 429),
-    (UnavailableError, 503),
-    (EngineError, 502),
-]
-
-# Documented on every route that can answer them (OpenAPI).
-ERROR_RESPONSES = {
-    400: {"description": "Invalid request or a limit exceeded"},
-    401: {"description": "Missing API key"},
-    403: {"description": "Wrong API key"},
-    404: {"description": "Unknown job"},
-    413: {"description": "Body too large"},
-    422: {"description": "Body failed validation; the message names the field"},
-    429: {"description": "A stage queue is full; retry after Retry-After seconds"},
-    503: {"description": "Redis is unavailable"},
-}
+RETRY_HEADER = "x-should-retry"  # read by the openai client's _should_retry before the status
 
 
-# vLLM's (and OpenAI's) OpenAI-compatible routes answer a body that fails validation
-# with 400; the job API keeps FastAPI's 422.
-_VALIDATION_400 = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
+@dataclass(frozen=True)
+class HttpError:
+    status: int
+    reason: ErrorReason
+    retry: bool  # worth sending the same request again (after Retry-After, if given)
+    description: str
+
+
+# The first row of a reason is its status wherever the reason is raised; the 413 and 422
+# rows are the HTTP edge's own (body size, body validation). A body that fails validation
+# is 422 on the job API and 400 (the first row) on the routes in OPENAI_STYLE_PATHS, as
+# vLLM and OpenAI answer it. Every error body also carries ``code``: its status, as vLLM's.
+ERROR_TABLE: tuple[HttpError, ...] = (
+    HttpError(400, ErrorReason.INVALID_REQUEST, False,
+              "Invalid request; on the OpenAI and vLLM routes also a body that failed validation (as vLLM answers)"),
+    HttpError(400, ErrorReason.CONTEXT_LENGTH_EXCEEDED, False, "The prompt does not fit the model's context"),
+    HttpError(400, ErrorReason.LIMIT_EXCEEDED, False, "A server limit was exceeded; the message names it"),
+    HttpError(401, ErrorReason.UNAUTHORIZED, False, "Missing API key"),
+    HttpError(403, ErrorReason.FORBIDDEN, False, "Wrong API key"),
+    HttpError(404, ErrorReason.NOT_FOUND, False, "Unknown job or model"),
+    HttpError(409, ErrorReason.CANCELLED, False, "The job was cancelled (DELETE) before it finished"),
+    HttpError(409, ErrorReason.IDEMPOTENCY_KEY_IN_USE, True,
+              "The first request with this Idempotency-Key is still being admitted; retry after Retry-After"),
+    HttpError(413, ErrorReason.LIMIT_EXCEEDED, False, "Body too large (max_body_bytes)"),
+    HttpError(422, ErrorReason.INVALID_REQUEST, False, "Body failed validation (job API); the message names the field"),
+    HttpError(422, ErrorReason.IDEMPOTENCY_KEY_REUSED, False, "This Idempotency-Key was used with a different body"),
+    HttpError(424, ErrorReason.ENGINE_ERROR, False,
+              "The engine failed on this request after isolation and retries (dead-lettered); sending it again fails again"),
+    HttpError(429, ErrorReason.OVERLOADED, True, "A stage queue is full; retry after Retry-After seconds"),
+    HttpError(500, ErrorReason.INTERNAL, False, "Internal error (the job failed in a task, or a bug); dead-lettered"),
+    HttpError(503, ErrorReason.UNAVAILABLE, True, ("Redis is unavailable, or (vLLM's /health, /tokenize) a stage has no ready worker; "
+                                                     "retry after Retry-After seconds")),
+    HttpError(504, ErrorReason.EXPIRED, False,
+              "The request's deadline (timeout) passed before it finished; it is final, send a new request to try again"),
+)
+
+_BY_REASON: dict[ErrorReason, HttpError] = {}
+for _row in ERROR_TABLE:
+    _BY_REASON.setdefault(_row.reason, _row)
+VALIDATION = next(r for r in ERROR_TABLE if r.status == 422 and r.reason is ErrorReason.INVALID_REQUEST)
+VALIDATION_OPENAI = next(r for r in ERROR_TABLE if r.status == 400 and r.reason is ErrorReason.INVALID_REQUEST)
+OPENAI_STYLE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+BODY_TOO_LARGE = next(r for r in ERROR_TABLE if r.status == 413)
+
+
+def mapping_for(reason: ErrorReason) -> HttpError:
+    return _BY_REASON.get(reason, _BY_REASON[ErrorReason.INTERNAL])
+
+
+def _describe(status: int) -> dict:
+    return {"description": "; ".join(r.description for r in ERROR_TABLE if r.status == status)}
+
+
+# Documented on every route that can answer them (OpenAPI), built from the table.
+ERROR_RESPONSES = {status: _describe(status) for status in sorted({r.status for r in ERROR_TABLE})}
 
 
 def error_json(status: int, reason: ErrorReason, message: str, param: str | None = None,
-               headers: dict[str, str] | None = None, **extra) -> JSONResponse:
+               headers: dict[str, str] | None = None, *, retry: bool | None = None, **extra) -> JSONResponse:
     # "code": the HTTP status, as vLLM's error body carries it.
     body = {"type": reason.value, "message": message, "param": param, "code": status, **extra}
-    return JSONResponse({"error": body}, status_code=status, headers=headers)
+    if retry is None:
+        retry = mapping_for(reason).retry
+    return JSONResponse({"error": body}, status_code=status, headers={**(headers or {}), RETRY_HEADER: str(retry).lower()})
+
+
+def error_event(reason: ErrorReason, message: str, param: str | None = None) -> dict:
+    """The same error schema for an SSE stream that fails after it started (status 200 is
+    sent): ``code`` is the status the error has in the table, as vLLM's stream errors carry."""
+    return {"error": {"type": reason.value, "message": message, "param": param, "code": mapping_for(reason).status}}
 
 
 def status_for(exc: LlmpipeError) -> int:
-    for cls, code in _STATUS:
-        if isinstance(exc, cls):
-            return code
-    return 500
+    return mapping_for(exc.reason).status
 
 
 def install(app: FastAPI) -> None:
+    from api.disconnect import ClientGone
+
+    @app.exception_handler(ClientGone)
+    async def _gone(_: Request, exc: ClientGone):
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+
     @app.exception_handler(LlmpipeError)
     async def _llmpipe(_: Request, exc: LlmpipeError):
-        headers = None
+        row = mapping_for(exc.reason)
+        headers = {}
         extra = {}
         if isinstance(exc, OverloadedError):
-            headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
+            headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
             extra["stage"] = exc.stage
-        return error_json(status_for(exc), exc.reason, exc.message, exc.param, headers, **extra)
+        elif row.retry:
+            headers["Retry-After"] = str(max(1, round(getattr(exc, "retry_after_s", 2.0))))
+        return error_json(row.status, exc.reason, exc.message, exc.param, headers, **extra)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -81,8 +135,8 @@ def install(app: FastAPI) -> None:
             where = ".".join(loc) or "body"
             param = param or where
             parts.append(f"{where}: {e.get('msg')}")
-        status = 400 if request.url.path in _VALIDATION_400 else 422
-        return error_json(status, ErrorReason.INVALID_REQUEST, "; ".join(parts) or "invalid request", param)
+        row = VALIDATION_OPENAI if request.url.path in OPENAI_STYLE_PATHS else VALIDATION
+        return error_json(row.status, row.reason, "; ".join(parts) or "invalid request", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):

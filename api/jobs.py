@@ -1,37 +1,54 @@
-"""Submitting jobs as chords and reading their state, without ever blocking on a result."""
+"""Submitting jobs as chords and reading their state from the job record, never blocking on a result."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from celery import Celery, chain, chord
 
 from api.detok import Detokenizer
+from api.request_keys import RequestKey, RequestKeys
 from api.schemas import ErrorBody, JobCreate, JobView
-from api.streams import read_partial
 from llmpipe import metrics
-from llmpipe.admission import Admission, estimate_tokens
-from llmpipe.cancel import request_cancel
+from llmpipe.admission import Admission, estimate_tokens, release
 from llmpipe.errors import LimitExceededError, NotFoundError, OverloadedError, UnavailableError
 from llmpipe.jobs import JobRecord, JobStore
-from llmpipe.messages import ErrorReason, JobResult, JobStatus, PromptRequest, SamplingParams
+from llmpipe.messages import ErrorReason, JobStatus, PromptRequest, SamplingParams
 from llmpipe.settings import Settings
+from llmpipe.streaming import read_published
 
 log = logging.getLogger("llmpipe.api")
 
 
+@dataclass(frozen=True)
+class Submitted:
+    job_id: str
+    deadline: float
+    replayed: bool = False  # an Idempotency-Key mapped this request to a job made earlier
+
+
 class JobService:
     def __init__(self, celery: Celery, store: JobStore, settings: Settings, admission: Admission,
-                 detok: Detokenizer | None = None, clock=time.time):
+                 detok: Detokenizer | None = None, clock=time.time, keys: RequestKeys | None = None):
         self.celery = celery
         self.store = store
         self.settings = settings
         self.admission = admission
         self.detok = detok
         self._clock = clock
+        self.keys = keys or RequestKeys(store.r, ttl_s=settings.result_ttl_s)
+        # A chord of chains holds two producers of Celery's pool at once: the group takes
+        # one and each chain's first task acquires another (celery/celery#5220). Once
+        # broker_pool_limit / 2 submissions hold their first, all wait forever for a
+        # second; measured with a 20 ms round trip to Redis at 64 concurrent POSTs
+        # (docs/benchmarks.md, scaling). So at most that many submit at once.
+        limit = celery.conf.broker_pool_limit
+        self._submit_slots = threading.BoundedSemaphore(max(1, limit // 2)) if limit else None
 
     # -- submit ---------------------------------------------------------------------
     def check_limits(self, texts: list[str], n_prompts: int, max_tokens: int | None) -> None:
@@ -44,18 +61,23 @@ class JobService:
         if longest > s.max_prompt_chars:
             raise LimitExceededError(f"a prompt may be at most {s.max_prompt_chars} characters (max_prompt_chars); got {longest}", param="prompt")
 
-    def submit(self, body: JobCreate) -> str:
+    def submit(self, body: JobCreate, key: RequestKey | None = None) -> Submitted:
         if body.messages is not None:
             inputs: list[dict[str, Any]] = [{"messages": body.messages}]
         elif body.prompts is not None:
             inputs = [{"prompt": p} for p in body.prompts]
         else:
             inputs = [{"prompt": body.prompt}]
-        return self.submit_inputs(inputs, body.sampling(self.settings.default_max_tokens), timeout=body.timeout)
+        return self.submit_inputs(inputs, body.sampling(self.settings.default_max_tokens), timeout=body.timeout, key=key)
 
     def submit_inputs(self, inputs: list[dict[str, Any]], params: SamplingParams | list[SamplingParams], *,
-                      timeout: float | None, stream: bool = False, kind: str = "job", meta: dict | None = None) -> str:
-        """One chord for ``inputs`` (each a prompt or messages); ``params`` is shared or per input."""
+                      timeout: float | None, stream: bool = False, kind: str = "job", meta: dict | None = None,
+                      key: RequestKey | None = None, waiting: bool = False) -> Submitted:
+        """One chord for ``inputs`` (each a prompt or messages); ``params`` is shared or per input.
+
+        ``key``: the request's Idempotency-Key; a job it already names is returned instead
+        of a new one. ``waiting``: the caller waits on the job over HTTP and counts as one of
+        its waiters (the job is cancelled when every waiter has disconnected)."""
         s = self.settings
         per_input = params if isinstance(params, list) else [params] * len(inputs)
         texts = [_input_text(inp) for inp in inputs]
@@ -64,38 +86,78 @@ class JobService:
         now = self._clock()
         deadline = now + min(timeout or s.default_timeout_s, s.max_timeout_s)
         job_id = uuid.uuid4().hex
-        given_ids = sum(len(inp.get("prompt_token_ids") or ()) for inp in inputs)  # token-id prompts: their length
-        decision = self.admission.try_admit(job_id, estimate_tokens(texts, max_tokens) + given_ids, deadline)
-        if not decision.admitted:
-            metrics.REJECTED.labels(decision.stage or "unknown").inc()
-            what = "queued prompt tokens" if decision.stage == "tokens" else f"the {decision.stage} queue"
-            raise OverloadedError(
-                f"{what} is full ({decision.depth} of at most {decision.limit}); retry after {decision.retry_after_s:.0f}s",
-                stage=decision.stage or "unknown", retry_after_s=decision.retry_after_s)
-        msgs = [
-            PromptRequest(job_id=job_id, index=i, deadline=deadline, enqueued_at=now, params=p, stream=stream, **inp)
-            for i, (inp, p) in enumerate(zip(inputs, per_input, strict=True))
-        ]
-        self.store.create(job_id, n_prompts=len(msgs), deadline=deadline, kind=kind, meta=meta, now=now)
-        header = [
-            chain(
-                self.celery.signature("llmpipe.preprocess", args=(m.model_dump(mode="json", exclude_defaults=True),)),
-                self.celery.signature("llmpipe.inference"),
-                self.celery.signature("llmpipe.postprocess"),
-            )
-            for m in msgs
-        ]
-        body_sig = self.celery.signature("llmpipe.collect", kwargs={"job_id": job_id, "submitted_at": now})
+        if key is not None:
+            claim = self.keys.claim(key, job_id, attach=waiting)
+            if claim.existing:
+                log.info("job=%s stage=api replayed for Idempotency-Key", claim.job_id)
+                return Submitted(claim.job_id, claim.deadline or deadline, replayed=True)
+        admitted = created = False
         try:
-            chord(header, body_sig).apply_async(task_id=job_id)
+            given_ids = sum(len(inp.get("prompt_token_ids") or ()) for inp in inputs)  # token-id prompts: their length
+            decision = self.admission.try_admit(job_id, estimate_tokens(texts, max_tokens) + given_ids, deadline)
+            if not decision.admitted:
+                metrics.REJECTED.labels(decision.stage or "unknown").inc()
+                what = "queued prompt tokens" if decision.stage == "tokens" else f"the {decision.stage} queue"
+                raise OverloadedError(
+                    f"{what} is full ({decision.depth} of at most {decision.limit}); retry after {decision.retry_after_s:.0f}s",
+                    stage=decision.stage or "unknown", retry_after_s=decision.retry_after_s)
+            admitted = True
+            msgs = [
+                PromptRequest(job_id=job_id, index=i, deadline=deadline, enqueued_at=now, params=p, stream=stream, **inp)
+                for i, (inp, p) in enumerate(zip(inputs, per_input, strict=True))
+            ]
+            pipe = self.store.r.pipeline(transaction=False)
+            self.store.create(job_id, n_prompts=len(msgs), deadline=deadline, kind=kind, meta=meta, now=now,
+                              pipe=pipe, waiters=1 if waiting else 0)
+            if key is not None:
+                self.keys.keep(pipe, key)
+            pipe.execute()
+            created = True
+            header = [
+                chain(
+                    self.celery.signature("llmpipe.preprocess", args=(m.model_dump(mode="json", exclude_defaults=True),)),
+                    self.celery.signature("llmpipe.inference"),
+                    self.celery.signature("llmpipe.postprocess"),
+                )
+                for m in msgs
+            ]
+            body_sig = self.celery.signature("llmpipe.collect", kwargs={"job_id": job_id, "submitted_at": now})
+            if self._submit_slots is None:
+                chord(header, body_sig).apply_async(task_id=job_id)
+            else:
+                with self._submit_slots:
+                    chord(header, body_sig).apply_async(task_id=job_id)
         except Exception as exc:
-            log.exception("job=%s stage=api could not enqueue", job_id)
-            self.store.transition(job_id, JobStatus.FAILED, {"type": "unavailable", "message": "could not enqueue the job"})
+            self._undo(job_id, key, admitted=admitted, created=created)
+            if isinstance(exc, OverloadedError):
+                raise
+            log.warning("job=%s stage=api could not enqueue: %s: %s", job_id, type(exc).__name__, exc)
             raise UnavailableError(f"could not enqueue the job: {type(exc).__name__}") from exc
         finally:
-            self.admission.published(job_id)
+            if admitted:
+                try:
+                    self.admission.published(job_id)
+                except Exception:  # the pending mark expires after 10 s by itself
+                    log.warning("job=%s stage=api could not clear its pending admission", job_id)
         metrics.ADMITTED.inc()
-        return job_id
+        return Submitted(job_id, deadline)
+
+    def _undo(self, job_id: str, key: RequestKey | None, *, admitted: bool, created: bool) -> None:
+        """A job that was not enqueued: its reservation, its key and its record go, each
+        best effort (Redis may be what failed; the reservation then ends at its deadline)."""
+        steps = []
+        if created:
+            steps.append(lambda: self.store.transition(
+                job_id, JobStatus.FAILED, {"type": ErrorReason.UNAVAILABLE.value, "message": "could not enqueue the job"}))
+        if admitted:
+            steps.append(lambda: release(self.store.r, job_id, drained=False))
+        if key is not None:
+            steps.append(lambda: self.keys.release(key, job_id))
+        for step in steps:
+            try:
+                step()
+            except Exception as exc:
+                log.warning("job=%s stage=api cleanup after a failed submit failed: %s", job_id, exc)
 
     # -- read -----------------------------------------------------------------------
     def record(self, job_id: str) -> JobRecord:
@@ -105,39 +167,34 @@ class JobService:
         return rec
 
     def view(self, job_id: str, partial: bool = True) -> JobView:
+        """The job as its record says: one HGETALL (and the token stream while it runs)."""
         rec = self.record(job_id)
-        view = JobView(id=job_id, status=rec.status, created_at=rec.created_at, deadline=rec.deadline, prompts=rec.n_prompts)
-        meta = self.celery.backend.get_task_meta(job_id)
-        state = meta.get("status")
-        if rec.status in (JobStatus.CANCELLED, JobStatus.EXPIRED):
-            # Settled outside the chord (DELETE, watchdog): that wins over what may still run.
-            view.error = _error_from_record(rec)
-        elif state == "SUCCESS":
-            result = JobResult.model_validate(meta["result"])
-            view.result, view.status = result, result.status
-            if result.error:
-                view.error = ErrorBody(type=result.error.reason, message=result.error.message, stage=result.error.stage,
-                                       param=result.error.param)
-        elif state == "FAILURE":
-            view.status = JobStatus.FAILED
-            view.error = ErrorBody(type=ErrorReason.INTERNAL, message=_failure_message(meta.get("result")))
-        elif rec.status.terminal:
-            view.error = _error_from_record(rec)
-        elif partial and rec.status == JobStatus.RUNNING and self.detok is not None:
-            ids = read_partial(self.store.r, job_id)
+        view = JobView(id=job_id, status=rec.status, created_at=rec.created_at, deadline=rec.deadline,
+                       prompts=rec.n_prompts, result=rec.result, error=_error_from_record(rec))
+        if partial and rec.status == JobStatus.RUNNING and self.detok is not None:
+            ids = read_published(self.store.r, job_id)
             if ids:
                 view.partial = [self.detok.decode(ids.get(i, [])) for i in range(rec.n_prompts)]
         return view
 
+    # -- settle ---------------------------------------------------------------------
     def cancel(self, job_id: str) -> JobView:
+        """DELETE: queued work never runs, running engine requests are aborted. A job that
+        already ended is returned unchanged (its terminal state never changes)."""
         rec = self.record(job_id)
-        view = self.view(job_id, partial=False)
-        if view.status.terminal:
-            return view
-        request_cancel(self.store.r, job_id, self.settings.result_ttl_s)
-        self.store.transition(job_id, JobStatus.CANCELLED, {"type": "cancelled", "message": "cancelled by the client"})
-        log.info("job=%s stage=api cancelled (was %s)", job_id, rec.status.value)
+        if not rec.status.terminal and self.store.stop(
+                job_id, JobStatus.CANCELLED, {"type": ErrorReason.CANCELLED.value, "message": "cancelled by the client"}):
+            log.info("job=%s stage=api cancelled (was %s)", job_id, rec.status.value)
         return self.view(job_id, partial=False)
+
+    def expire(self, job_id: str, message: str) -> None:
+        """The API stopped waiting at the deadline: the job ends ``expired`` (unless it just ended)."""
+        self.store.stop(job_id, JobStatus.EXPIRED, {"type": ErrorReason.EXPIRED.value, "message": message})
+
+    def abandon(self, job_id: str) -> None:
+        """A waiting client disconnected: the job is cancelled once no client waits on it."""
+        if self.store.abandon(job_id) == 1:
+            log.info("job=%s stage=api cancelled: its client disconnected", job_id)
 
 
 def _input_text(inp: dict[str, Any]) -> str:
@@ -154,10 +211,4 @@ def _error_from_record(rec: JobRecord) -> ErrorBody | None:
         return None
     t = rec.error.get("type")
     return ErrorBody(type=ErrorReason(t) if t in ErrorReason._value2member_map_ else ErrorReason.INTERNAL,
-                     message=rec.error.get("message", ""))
-
-
-def _failure_message(res: Any) -> str:
-    if isinstance(res, dict):
-        return f"{res.get('exc_type', 'error')}: {res.get('exc_message', '')}"
-    return str(res)
+                     message=rec.error.get("message", ""), stage=rec.error.get("stage"), param=rec.error.get("param"))

@@ -5,42 +5,83 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from fastapi import APIRouter, Query, Request
+import redis.exceptions
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from api.errors import ERROR_RESPONSES
 from api.jobs import JobService
+from api.request_keys import HEADER, request_key
 from api.schemas import ErrorResponse, JobCreate, JobCreated, JobView
 from api.waiter import JobWaiter
+from llmpipe.errors import UnavailableError
+
+_REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+REPLAYED_HEADER = "Idempotent-Replayed"
 
 
 def _errs(*codes: int) -> dict:
     return {c: {"model": ErrorResponse, **ERROR_RESPONSES[c]} for c in codes}
 
 
-async def wait_view(service: JobService, waiter: JobWaiter, job_id: str, wait: float) -> JobView:
-    """The job's view, once it is terminal or after ``wait`` seconds."""
+def bearer(request: Request) -> str | None:
+    auth = request.headers.get("authorization", "")
+    return auth[7:].strip() if auth[:7].lower() == "bearer " else None
+
+
+async def wait_view(service: JobService, waiter: JobWaiter, job_id: str, wait: float, *,
+                    partial: bool = True, through_outage: bool = False) -> JobView:
+    """The job's view once it has ended, or after ``wait`` seconds (with the text so far).
+
+    Each wake-up (the job's done channel, a reconnect of the waiter) reads the record
+    again. ``through_outage``: a Redis error while waiting is waited out until ``wait``
+    ends, instead of answered with 503 (the caller's job is already running)."""
     if wait <= 0:
-        return await run_in_threadpool(service.view, job_id)
-    async with waiter.watch(job_id) as done:
-        view = await run_in_threadpool(service.view, job_id)
-        if view.status.terminal:
-            return view
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(done.wait(), timeout=wait)
-    return await run_in_threadpool(service.view, job_id)
+        return await run_in_threadpool(service.view, job_id, partial)
+    loop = asyncio.get_running_loop()
+    end = loop.time() + wait
+    view: JobView | None = None
+    async with waiter.watch(job_id) as woken:
+        while True:
+            try:
+                view = await run_in_threadpool(service.view, job_id, False)
+            except _REDIS_DOWN:
+                if not through_outage:
+                    raise
+                view = None
+            if view is not None and view.status.terminal:
+                return view
+            left = end - loop.time()
+            if left <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(woken.wait(), min(left, 1.0) if view is None else left)
+            woken.clear()
+    if view is None:
+        raise UnavailableError("the queue (Redis) is unavailable; retry shortly")
+    return await run_in_threadpool(service.view, job_id, partial) if partial else view
 
 
 def router(service: JobService, waiter: JobWaiter) -> APIRouter:
     rt = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
-    @rt.post("", status_code=202, response_model=JobCreated, responses=_errs(400, 429))
-    def create_job(body: JobCreate, request: Request) -> JobCreated:
+    @rt.post("", status_code=202, response_model=JobCreated, responses=_errs(400, 409, 422, 429))
+    def create_job(body: JobCreate, request: Request,
+                   idempotency_key: str | None = Header(None, alias=HEADER, description=(
+                       "Makes retries safe: a POST with a key that was used before (same API key, same body) "
+                       "returns the job it made instead of a new one."))):
         """Enqueue a job; poll ``status_url`` (optionally with ``?wait=``) for its result."""
-        job_id = service.submit(body)
-        return JobCreated(id=job_id, status="queued", status_url=request.app.url_path_for("get_job", job_id=job_id))
+        key = request_key(idempotency_key, api_key=bearer(request), path=request.url.path, body=body)
+        sub = service.submit(body, key)
+        created = JobCreated(id=sub.job_id, status="queued", status_url=request.app.url_path_for("get_job", job_id=sub.job_id))
+        if sub.replayed:
+            view = service.view(sub.job_id, partial=False)
+            created.status = view.status
+            return JSONResponse(created.model_dump(mode="json"), status_code=202, headers={REPLAYED_HEADER: "true"})
+        return created
 
-    @rt.get("/{job_id}", response_model=JobView, name="get_job", responses=_errs(404))
+    @rt.get("/{job_id}", response_model=JobView, name="get_job", responses=_errs(404, 503))
     async def get_job(job_id: str, wait: float = Query(0.0, ge=0.0, le=60.0, description="Long-poll: wait up to this many seconds for the job to finish.")) -> JobView:
         """Status (queued, running, succeeded, failed, expired, cancelled); the text so far while
         it runs; the result when done."""
@@ -49,7 +90,7 @@ def router(service: JobService, waiter: JobWaiter) -> APIRouter:
     @rt.delete("/{job_id}", response_model=JobView, responses=_errs(404))
     def cancel_job(job_id: str) -> JobView:
         """Cancel a job: queued work never runs, and running engine requests are aborted.
-        A job that already finished is returned unchanged."""
+        A job that already ended is returned unchanged: an ended job never changes."""
         return service.cancel(job_id)
 
     return rt

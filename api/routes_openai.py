@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 
 import redis.asyncio as aioredis
-from fastapi import APIRouter
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Header, Request
 from starlette.concurrency import run_in_threadpool
 
 from api.detok import Detokenizer
+from api.disconnect import unless_disconnected
 from api.errors import ERROR_RESPONSES
 from api.jobs import JobService
 from api.openai_features import chat_choice, chat_extras, check_request, completion_choice, echo_text
@@ -17,32 +17,27 @@ from api.openai_schemas import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
     CompletionRequest, CompletionResponse, ModelCard, ModelList, UsageOut,
 )
-from api.routes_jobs import wait_view
+from api.request_keys import HEADER, request_key
+from api.routes_jobs import REPLAYED_HEADER, bearer, wait_view
 from api.schemas import ErrorResponse, JobView
-from api.sse import stream_job
+from api.sse import JobStream, stream_job
 from api.waiter import JobWaiter
-from llmpipe.errors import (
-    BadRequestError, CancelledError, ContextLengthError, EngineError, ExpiredError, LlmpipeError, NotFoundError,
-)
+from llmpipe.errors import BadRequestError, ExpiredError, LlmpipeError, NotFoundError
 from llmpipe.messages import ErrorReason, JobStatus
 from llmpipe.settings import Settings
 
-_ERRS = {c: {"model": ErrorResponse, **ERROR_RESPONSES[c]} for c in (400, 404, 429)}
-_BY_REASON: dict[ErrorReason, type[LlmpipeError]] = {
-    ErrorReason.CONTEXT_LENGTH_EXCEEDED: ContextLengthError, ErrorReason.INVALID_REQUEST: BadRequestError,
-    ErrorReason.EXPIRED: ExpiredError, ErrorReason.CANCELLED: CancelledError, ErrorReason.ENGINE_ERROR: EngineError,
-}
+_ERRS = {c: {"model": ErrorResponse, **ERROR_RESPONSES[c]} for c in (400, 404, 409, 422, 424, 429, 500, 503, 504)}
+_KEY_DOC = ("Makes retries safe: a retried POST with the same key (same API key, same body) waits on the job "
+            "the first attempt made, or streams it from its first token, instead of making another.")
 
 
 def raise_for(view: JobView) -> None:
+    """The job did not succeed: raise its error, which api/errors.py maps to its status."""
     if view.status == JobStatus.SUCCEEDED:
         return
     err = view.error
     reason = err.type if err else ErrorReason.EXPIRED if view.status == JobStatus.EXPIRED else ErrorReason.INTERNAL
-    cls = _BY_REASON.get(reason, LlmpipeError)
-    exc = cls(err.message if err else f"job {view.status.value}")
-    exc.param = err.param if err else None  # the request field at fault, when a stage named one
-    raise exc
+    raise LlmpipeError(err.message if err else f"job {view.status.value}", reason=reason, param=err.param if err else None)
 
 
 def _usage(view: JobView, n: int = 1) -> UsageOut:
@@ -66,14 +61,16 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
         if n > settings.max_n:
             raise BadRequestError(f"n may be at most {settings.max_n} (max_n); got {n}", param="n")
 
-    async def run(inputs, params_for, n, stream, timeout, build, chunk, first, stops, include_usage,
-                  continuous_usage=False):
+    async def run(request, key_header, body, inputs, params_for, n, stream, timeout, build, chunk, first, stops,
+                  include_usage, continuous_usage=False):
         """Submit ``n`` choices per input as one job; answer as JSON or as SSE."""
+        key = request_key(key_header, api_key=bearer(request), path=request.url.path, body=body)
         job_inputs = [inp for inp in inputs for _ in range(n)]
         params = [params_for(k) for _ in inputs for k in range(n)]
-        job_id = await run_in_threadpool(
-            service.submit_inputs, job_inputs, params, timeout=timeout, stream=stream, kind="openai")
-        rec = await run_in_threadpool(service.record, job_id)
+        sub = await run_in_threadpool(
+            service.submit_inputs, job_inputs, params, timeout=timeout, stream=stream, kind="openai", key=key,
+            waiting=True)
+        job_id = sub.job_id
         if stream:
             def usage_chunk(view: JobView) -> dict:
                 return {**chunk(job_id, 0, "", None), "choices": [], "usage": _usage(view, n).model_dump()}
@@ -81,14 +78,25 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
             gen = stream_job(
                 job_id=job_id, n_choices=len(job_inputs), stops=stops, service=service, waiter=waiter, aredis=aredis,
                 detok=detok, chunk=lambda i, t, f: chunk(job_id, i, t, f), first=first(job_id),
-                usage_chunk=usage_chunk if include_usage else None, deadline=rec.deadline,
-                on_abandon=lambda: service.cancel(job_id), continuous_usage=include_usage and continuous_usage)
-            return StreamingResponse(gen, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        view = await wait_view(service, waiter, job_id, max(0.1, rec.deadline - time.time() + 2))
+                usage_chunk=usage_chunk if include_usage else None, deadline=sub.deadline,
+                continuous_usage=include_usage and continuous_usage, stop_ids=body.stop_token_ids)
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            if sub.replayed:
+                headers[REPLAYED_HEADER] = "true"
+            return JobStream(gen, on_abandon=lambda: service.abandon(job_id), media_type="text/event-stream",
+                             headers=headers)
+        # The job runs already: a Redis blip while waiting is waited out, not answered with a
+        # 503 that the client would retry into a second job.
+        wait = unless_disconnected(
+            request, wait_view(service, waiter, job_id, max(0.1, sub.deadline - time.time() + 2), partial=False,
+                               through_outage=True),
+            on_gone=lambda: service.abandon(job_id))
+        view = await wait
         if not view.status.terminal:
-            await run_in_threadpool(service.cancel, job_id)
-            raise ExpiredError("the request passed its deadline")
+            await run_in_threadpool(service.expire, job_id, "the request passed its deadline")
+            view = await run_in_threadpool(service.view, job_id, False)
+            if not view.status.terminal:
+                raise ExpiredError("the request passed its deadline")
         raise_for(view)
         return build(job_id, view)
 
@@ -98,7 +106,8 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
         return ModelList(data=[ModelCard(id=served)])
 
     @rt.post("/completions", response_model=CompletionResponse, responses=_ERRS)
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, request: Request,
+                          idempotency_key: str | None = Header(None, alias=HEADER, description=_KEY_DOC)):
         """OpenAI completions; ``stream: true`` answers with server-sent events."""
         model = check_model(req.model)
         check_request(req, settings)
@@ -121,13 +130,14 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
             return CompletionResponse(id=f"cmpl-{job_id}", model=model, usage=_usage(view, req.n), choices=[
                 CompletionChoice(**completion_choice(r, req, inputs[r.index // req.n])) for r in view.result.results])
 
-        return await run(inputs, lambda k: req.sampling(max_tokens, k), req.n,
+        return await run(request, idempotency_key, req, inputs, lambda k: req.sampling(max_tokens, k), req.n,
                          req.stream, req.timeout, build, chunk, first, req.stops(),
                          bool(req.stream_options and req.stream_options.include_usage),
                          bool(req.stream_options and req.stream_options.continuous_usage_stats))
 
     @rt.post("/chat/completions", response_model=ChatCompletionResponse, responses=_ERRS)
-    async def chat_completions(req: ChatCompletionRequest):
+    async def chat_completions(req: ChatCompletionRequest, request: Request,
+                               idempotency_key: str | None = Header(None, alias=HEADER, description=_KEY_DOC)):
         """OpenAI chat completions with the model's chat template; ``stream: true`` answers with SSE."""
         model = check_model(req.model)
         check_request(req, settings)
@@ -154,7 +164,8 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
                                           **chat_extras(results, req))
 
         messages = [m.to_message() for m in req.messages]
-        return await run([{"messages": messages}], lambda k: req.sampling(max_tokens, k), req.n, req.stream,
+        return await run(request, idempotency_key, req, [{"messages": messages}], lambda k: req.sampling(max_tokens, k),
+                         req.n, req.stream,
                          req.timeout, build, chunk, first, req.stops(),
                          bool(req.stream_options and req.stream_options.include_usage),
                          bool(req.stream_options and req.stream_options.continuous_usage_stats))

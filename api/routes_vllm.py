@@ -18,18 +18,17 @@ from importlib import metadata
 from typing import Annotated, Literal
 
 from fastapi import APIRouter
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from api.detok import Detokenizer
-from api.errors import ERROR_RESPONSES, error_json
+from api.errors import ERROR_RESPONSES
 from api.openai_schemas import ChatIn
 from api.schemas import ErrorResponse
 from api.waiter import JobWaiter
 from llmpipe import __version__
 from llmpipe.errors import BadRequestError, NotFoundError, UnavailableError
-from llmpipe.messages import ErrorReason
 from llmpipe.readiness import missing_stages
 from llmpipe.settings import Settings
 
@@ -93,13 +92,15 @@ def router(celery, r, waiter: JobWaiter, settings: Settings, detok: Detokenizer,
         raise NotFoundError(f"model {name!r} is not served here; this server serves {served!r}", param="model")
 
     def health_response() -> Response:
+        # Not ready is UnavailableError: api/errors.py gives it its status (503), Retry-After
+        # and x-should-retry, as every other error.
         try:
             r.ping()
             missing = missing_stages(r)
-        except Exception:
-            return error_json(503, ErrorReason.UNAVAILABLE, "the queue (Redis) is unavailable")
+        except Exception as exc:
+            raise UnavailableError("the queue (Redis) is unavailable") from exc
         if missing:
-            return error_json(503, ErrorReason.UNAVAILABLE, f"no ready worker for: {', '.join(missing)}")
+            raise UnavailableError(f"no ready worker for: {', '.join(missing)}")
         return Response(status_code=200)
 
     health_doc = {200: {"description": "Ready: every stage has a worker"},
@@ -162,15 +163,23 @@ def router(celery, r, waiter: JobWaiter, settings: Settings, detok: Detokenizer,
 
 async def _ask_preprocess(celery, waiter: JobWaiter, body: dict) -> dict:
     """Run ``llmpipe.tokenize`` on the preprocess queue and wait for its result, without
-    ever blocking on Celery (the waiter wakes on the result's PUBLISH)."""
+    ever blocking on Celery: the waiter wakes on the PUBLISH with which Celery's Redis
+    backend stores the result, and each wake-up is a hint to read it again."""
     task_id = f"tokenize-{uuid.uuid4().hex}"
     backend = celery.backend
+    loop = asyncio.get_running_loop()
     try:
-        async with waiter.watch(task_id) as done:
+        async with waiter.watch_channel(backend.get_key_for_task(task_id).decode()) as woken:
             await run_in_threadpool(celery.send_task, "llmpipe.tokenize", args=(body,), task_id=task_id)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(done.wait(), timeout=TOKENIZE_TIMEOUT_S)
-        meta = await run_in_threadpool(backend.get_task_meta, task_id)
+            end = loop.time() + TOKENIZE_TIMEOUT_S
+            while True:
+                meta = await run_in_threadpool(backend.get_task_meta, task_id)
+                left = end - loop.time()
+                if meta.get("status") in ("SUCCESS", "FAILURE") or left <= 0:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(woken.wait(), timeout=left)
+                woken.clear()
     finally:
         with contextlib.suppress(Exception):
             await run_in_threadpool(backend.forget, task_id)
@@ -179,4 +188,3 @@ async def _ask_preprocess(celery, waiter: JobWaiter, body: dict) -> dict:
             raise UnavailableError("the preprocess worker failed to tokenize")
         raise UnavailableError(f"no preprocess worker answered within {TOKENIZE_TIMEOUT_S:.0f}s")
     return meta["result"]
-

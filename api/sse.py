@@ -1,22 +1,32 @@
-"""Server-sent events for ``stream: true``: token deltas from the job's Redis stream."""
+"""Server-sent events for ``stream: true``: token deltas from the job's Redis stream.
+
+The text sent is always a prefix of the final text: what the inference worker publishes is
+never taken back (a request that runs again resumes from it), and the last chunk completes
+the text from the job's result. A client that disconnects has its job cancelled
+(:class:`JobStream`), and the engine aborts its requests.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 
+import anyio
 import redis.asyncio as aioredis
 from starlette.concurrency import run_in_threadpool
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from api.detok import Detokenizer, IncrementalText
+from api.errors import error_event
 from api.jobs import JobService
 from api.schemas import JobView
-from api.streams import apply_entries
 from api.waiter import JobWaiter
-from llmpipe.messages import JobStatus
-from llmpipe.streaming import stream_key
+from llmpipe.messages import ErrorReason, JobStatus
+from llmpipe.streaming import PromptInfo, apply_entries, stream_key
 
 log = logging.getLogger("llmpipe.api")
 
@@ -32,8 +42,8 @@ class _Choice:
     """Streamed text of one choice, cut at the first stop string. Holds back as many
     characters as the longest stop string, less one, so a stop is never half sent."""
 
-    def __init__(self, detok: Detokenizer, stops: list[str]):
-        self.inc = IncrementalText(detok)
+    def __init__(self, inc: IncrementalText, stops: list[str]):
+        self.inc = inc
         self.stops = [s for s in stops if s]
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.text = ""  # all text decoded so far
@@ -65,62 +75,107 @@ class _Choice:
 async def stream_job(
     *, job_id: str, n_choices: int, stops: list[str], service: JobService, waiter: JobWaiter,
     aredis: aioredis.Redis, detok: Detokenizer, chunk: ChunkFn, first: list[dict], usage_chunk: Callable[[JobView], dict] | None,
-    deadline: float, on_abandon: Callable[[], None], continuous_usage: bool = False,
+    deadline: float, continuous_usage: bool = False, stop_ids: Iterable[int] = (),
 ) -> AsyncIterator[bytes]:
-    choices = [_Choice(detok, stops) for _ in range(n_choices)]
+    """``continuous_usage``: vLLM's ``stream_options.continuous_usage_stats``, every chunk
+    carries the usage so far. ``stop_ids``: the request's stop_token_ids, whose text is
+    not part of the output (as vLLM)."""
+    # The first call reads a file: off the event loop, while the stream is already read.
+    loading = asyncio.ensure_future(run_in_threadpool(detok.tokenizer))
+    stop_ids = frozenset(stop_ids)
+    choices: dict[int, _Choice] = {}
     ids: dict[int, list[int]] = {}
-    prompt_tokens: dict[int, int] = {}
+    prompts: dict[int, PromptInfo] = {}
+    last = "0-0"
+
+    async def choice(i: int) -> _Choice:
+        # Made at its first entry, which says after which prompt ids to decode.
+        if i not in choices:
+            tail = prompts[i].tail if i in prompts else []
+            choices[i] = _Choice(IncrementalText(await loading, tail, stop_ids), stops)
+        return choices[i]
 
     def with_usage(obj: dict, i: int, prompt: int | None = None, completion: int | None = None) -> dict:
-        # vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far.
         if continuous_usage:
-            p = prompt_tokens.get(i, 0) if prompt is None else prompt
+            p = (prompts[i].tokens if i in prompts else 0) if prompt is None else prompt
             c = len(ids.get(i, [])) if completion is None else completion
             obj["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
         return obj
 
-    last = "0-0"
-    finished = False
-    try:
-        for obj in first:
-            yield sse(obj)
-        async with waiter.watch(job_id) as done:
-            # The job may have finished before the watch began: its PUBLISH is gone.
-            if (await run_in_threadpool(service.view, job_id, False)).status.terminal:
-                done.set()
-            while True:
-                is_done = done.is_set()
-                resp = await aredis.xread({stream_key(job_id): last}, count=256, block=None if is_done else 50)
-                for _, entries in resp or []:
-                    last = entries[-1][0]
-                    for i, new in apply_entries(entries, ids, prompt_tokens).items():
-                        if i < n_choices:
-                            delta = choices[i].push(new)
-                            if delta:
-                                yield sse(with_usage(chunk(i, delta, None), i))
-                if is_done and not resp:
-                    break
-                if not is_done and time.time() > deadline + 5:
-                    break  # the watchdog settles the job; stop waiting for it here
+    for obj in first:
+        yield sse(obj)
+    async with waiter.watch(job_id) as woken:
+        # Read after the watch began, so an end that lands in between is not missed; each
+        # wake-up is a hint to read the record again.
         view = await run_in_threadpool(service.view, job_id, False)
-        finished = True
-        if view.status == JobStatus.SUCCEEDED and view.result is not None:
-            for r in view.result.results:
-                c = choices[r.index]
-                tail = c.rest(r.text)
-                yield sse(with_usage(chunk(r.index, tail, r.finish_reason.value), r.index, r.prompt_tokens,
-                                     r.completion_tokens))
-            if usage_chunk is not None:
-                yield sse(usage_chunk(view))
-        else:
-            err = view.error
-            yield sse({"error": {"type": (err.type.value if err else view.status.value),
-                                 "message": err.message if err else f"job {view.status.value}"}})
-        yield sse("[DONE]")
-    finally:
-        if not finished:
-            # The client went away: like vLLM, stop generating for it.
-            try:
-                await run_in_threadpool(on_abandon)
-            except Exception:
-                log.warning("job=%s could not cancel after disconnect", job_id, exc_info=True)
+        ended = view.status.terminal
+        while True:
+            resp = await aredis.xread({stream_key(job_id): last}, count=256, block=None if ended else 50)
+            for _, entries in resp or []:
+                last = entries[-1][0]
+                for i, new in apply_entries(entries, ids, prompts).items():
+                    if i < n_choices:
+                        delta = (await choice(i)).push(new)
+                        if delta:
+                            yield sse(with_usage(chunk(i, delta, None), i))
+            if ended and not resp:
+                break  # every token published before the end has been sent
+            if not ended and woken.is_set():
+                woken.clear()
+                view = await run_in_threadpool(service.view, job_id, False)
+                ended = view.status.terminal
+            if not ended and time.time() > deadline + 5:
+                break  # nothing ended the job; it is settled expired below
+    if not view.status.terminal:  # (an ended record never changes: no need to read it again)
+        await run_in_threadpool(service.expire, job_id, "the job did not finish by its deadline")
+        view = await run_in_threadpool(service.view, job_id, False)
+    if view.status == JobStatus.SUCCEEDED and view.result is not None:
+        for r in view.result.results:
+            tail = (await choice(r.index)).rest(r.text)
+            yield sse(with_usage(chunk(r.index, tail, r.finish_reason.value), r.index, r.prompt_tokens,
+                                 r.completion_tokens))
+        if usage_chunk is not None:
+            yield sse(usage_chunk(view))
+    else:
+        err = view.error
+        reason = err.type if err else ErrorReason.EXPIRED if view.status == JobStatus.EXPIRED else ErrorReason.INTERNAL
+        yield sse(error_event(reason, err.message if err else f"job {view.status.value}", err.param if err else None))
+    yield sse("[DONE]")
+
+
+class JobStream(StreamingResponse):
+    """An SSE response that cancels its job when the client goes away before the end.
+
+    Starlette cancels the response's task when it sees ``http.disconnect``, so cleanup in
+    the generator would run inside a cancelled scope and never finish (the old defect).
+    Here it runs after the response, shielded: the generator is closed (its watch ends) and,
+    unless it reached ``[DONE]``, ``on_abandon`` cancels the job."""
+
+    def __init__(self, content: AsyncIterator[bytes], *, on_abandon: Callable[[], None], **kwargs):
+        self._inner = content
+        self._on_abandon = on_abandon
+        self.completed = False
+        super().__init__(self._tracked(), **kwargs)
+
+    async def _tracked(self) -> AsyncIterator[bytes]:
+        try:
+            async for part in self._inner:
+                yield part
+            self.completed = True
+        finally:
+            await self._inner.aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.move_on_after(10, shield=True):
+                try:
+                    await self.body_iterator.aclose()
+                except Exception:
+                    log.debug("closing an SSE generator failed", exc_info=True)
+                if not self.completed:
+                    try:
+                        await run_in_threadpool(self._on_abandon)
+                    except Exception:
+                        log.warning("could not cancel a job after its client disconnected", exc_info=True)

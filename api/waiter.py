@@ -1,9 +1,23 @@
-"""Wakes HTTP requests that wait for a job to finish, with one shared pub/sub connection.
+"""Wakes HTTP requests that wait for a job to end, with one shared pub/sub connection.
 
-Celery's Redis backend PUBLISHes every stored result on the result key's channel; the job
-store publishes terminal transitions (cancelled, expired) on its own channel. A waiter
-subscribes before it reads the job, so a result that lands in between is never missed,
-and unsubscribes when it is done, so no subscription outlives its request.
+Every terminal move of a job record is PUBLISHed on the job's done channel
+(llmpipe/jobs.py). A request that waits (``?wait=``, a non-streaming OpenAI call, an SSE
+stream) registers with :meth:`JobWaiter.watch` and gets an event, then reads the record,
+and reads it again each time the event is set, until the job has ended or it stops waiting.
+The event is a hint to read again, never a state: a spurious wake costs one read.
+
+The connection is owned by one reader task that never gives up: on any error it drops the
+connection, wakes every watcher, and reconnects with backoff, subscribing again every
+channel that still has watchers. As each subscription is confirmed it wakes that channel's
+watchers once more, since a job may have ended while nothing listened. So a Redis outage,
+even one before the first request ever waited, costs no wake-up afterwards; and a watcher
+that registers while Redis is down is not left behind: its record read fails (503) and its
+registration is removed on the way out.
+
+A watcher's first read happens after its subscription is confirmed by Redis (or after
+``confirm_timeout_s``, when the reader is reconnecting and will wake it), so a result that
+lands between the subscribe and the read is never missed. The last watcher of a channel
+unsubscribes, so no subscription outlives its requests.
 """
 
 from __future__ import annotations
@@ -11,89 +25,190 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import defaultdict
 from collections.abc import AsyncIterator
 
+import anyio
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from llmpipe.jobs import done_channel
 
 log = logging.getLogger("llmpipe.api")
 
-
-def result_channel(job_id: str) -> str:
-    return f"celery-task-meta-{job_id}"
+PLACEHOLDER = "llmpipe:waiter"  # keeps the connection in subscribed mode with no watcher
 
 
 class JobWaiter:
-    def __init__(self, redis_url: str):
+    def __init__(self, redis_url: str, *, confirm_timeout_s: float = 2.0, backoff_max_s: float = 1.0):
         self._url = redis_url
-        self._redis: aioredis.Redis | None = None
-        self._pubsub = None
-        self._events: dict[str, set[asyncio.Event]] = defaultdict(set)
+        self.confirm_timeout_s = confirm_timeout_s
+        self.backoff_max_s = backoff_max_s
+        self._watchers: dict[str, set[asyncio.Event]] = {}
+        self._pubsub = None  # the live subscribed connection, or None while (re)connecting
+        self._client: aioredis.Redis | None = None
+        self._confirmed: dict[str, asyncio.Future] = {}  # channel -> its SUBSCRIBE is confirmed
+        self._unconfirmed: dict[str, int] = {}  # channel -> SUBSCRIBEs sent, not yet confirmed
         self._reader: asyncio.Task | None = None
-        self._lock = asyncio.Lock()
+        self.reconnects = 0
 
-    async def _ensure(self) -> None:
-        if self._pubsub is None:
-            self._redis = aioredis.Redis.from_url(self._url, socket_connect_timeout=2)
-            self._pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
-            # A placeholder channel keeps the connection in subscribed mode.
-            await self._pubsub.subscribe("llmpipe:waiter")
-            self._reader = asyncio.create_task(self._read())
+    @property
+    def watching(self) -> int:
+        """Registered watchers (a test checks that none leaks)."""
+        return sum(len(evs) for evs in self._watchers.values())
 
-    async def _read(self) -> None:
-        assert self._pubsub is not None
-        while True:
-            try:
-                msg = await self._pubsub.get_message(timeout=1.0)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # redis went away: wake everyone; they re-read and report
-                log.warning("job waiter lost its redis connection", exc_info=True)
-                for evs in self._events.values():
-                    for ev in evs:
-                        ev.set()
-                await asyncio.sleep(0.5)
-                continue
-            if msg and msg.get("type") == "message":
-                ch = msg["channel"].decode() if isinstance(msg["channel"], bytes) else msg["channel"]
-                for ev in self._events.get(ch, ()):
-                    ev.set()
+    def watch(self, job_id: str) -> contextlib.AbstractAsyncContextManager[asyncio.Event]:
+        """Woken by every terminal move of the job's record."""
+        return self.watch_channel(done_channel(job_id))
 
     @contextlib.asynccontextmanager
-    async def watch(self, job_id: str) -> AsyncIterator[asyncio.Event]:
+    async def watch_channel(self, ch: str) -> AsyncIterator[asyncio.Event]:
+        """Woken by a PUBLISH on ``ch``: a job's done channel, or the Celery result key of a
+        task the API waits for (``POST /tokenize``, api/routes_vllm.py)."""
         ev = asyncio.Event()
-        channels = [result_channel(job_id), done_channel(job_id)]
-        async with self._lock:
-            await self._ensure()
-            new = [c for c in channels if not self._events.get(c)]
-            for c in channels:
-                self._events[c].add(ev)
-            if new:
-                await self._pubsub.subscribe(*new)
+        self._watchers.setdefault(ch, set()).add(ev)
         try:
+            if self._reader is None or self._reader.done():
+                self._reader = asyncio.create_task(self._run(), name="llmpipe-job-waiter")
+            await self._subscribed(ch)
+            ev.clear()  # the confirmation woke it; the caller reads the record next anyway
             yield ev
         finally:
-            async with self._lock:
-                gone = []
-                for c in channels:
-                    self._events[c].discard(ev)
-                    if not self._events[c]:
-                        del self._events[c]
-                        gone.append(c)
-                if gone and self._pubsub is not None:
-                    with contextlib.suppress(Exception):
-                        await self._pubsub.unsubscribe(*gone)
+            evs = self._watchers.get(ch)
+            if evs is not None:
+                evs.discard(ev)
+                if not evs:
+                    del self._watchers[ch]
+                    # Shielded: a watch ended by cancellation (a client that went away) must
+                    # still unsubscribe.
+                    with anyio.move_on_after(2, shield=True):
+                        await self._unsubscribe(ch)
+
+    # -- subscriptions ---------------------------------------------------------------------
+    async def _subscribed(self, ch: str) -> None:
+        """Until ``ch`` is subscribed on the live connection, best effort and bounded. When
+        there is none, the reader subscribes it on reconnect and wakes its watchers."""
+        fut = self._confirmed.get(ch)
+        if fut is None:
+            ps = self._pubsub
+            if ps is None:
+                return
+            fut = self._confirmed[ch] = asyncio.get_running_loop().create_future()
+            self._unconfirmed[ch] = self._unconfirmed.get(ch, 0) + 1
+            try:
+                await ps.subscribe(ch)
+            except Exception as exc:  # the connection broke: the reader notices and reconnects
+                log.debug("subscribe %s failed: %s", ch, exc)
+                return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(fut), self.confirm_timeout_s)
+
+    async def _unsubscribe(self, ch: str) -> None:
+        self._confirmed.pop(ch, None)
+        ps = self._pubsub
+        if ps is not None:
+            with contextlib.suppress(Exception):  # a broken connection drops it anyway
+                await ps.unsubscribe(ch)
+
+    def _wake(self, ch: str) -> None:
+        for ev in self._watchers.get(ch, ()):
+            ev.set()
+
+    def _wake_all(self) -> None:
+        for ch in list(self._watchers):
+            self._wake(ch)
+
+    # -- the reader --------------------------------------------------------------------------
+    async def _run(self) -> None:
+        delay = 0.05
+        while True:
+            try:
+                await self._connect()
+                delay = 0.05
+                await self._read()
+            except asyncio.CancelledError:
+                await self._drop()
+                raise
+            except Exception as exc:
+                log.warning("job waiter: redis connection lost (%s: %s); reconnecting", type(exc).__name__, exc)
+            await self._drop()
+            self._wake_all()  # they read the record again: its state, or a 503 while Redis is down
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.backoff_max_s)
+
+    async def _connect(self) -> None:
+        # No retries inside redis-py: an error must reach _run, which resubscribes everything.
+        client = aioredis.Redis.from_url(self._url, socket_connect_timeout=2, socket_keepalive=True,
+                                         retry=Retry(NoBackoff(), 0))
+        ps = client.pubsub()
+        try:
+            channels = [PLACEHOLDER, *self._watchers]
+            loop = asyncio.get_running_loop()
+            for ch in channels:
+                self._confirmed[ch] = loop.create_future()
+                self._unconfirmed[ch] = 1
+            await ps.subscribe(*channels)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await ps.aclose()
+            with contextlib.suppress(Exception):
+                await client.aclose()
+            raise
+        self._client, self._pubsub = client, ps
+        self.reconnects += 1
+        # Watchers that came or went while SUBSCRIBE was on its way (later ones do it themselves).
+        missing = [ch for ch in self._watchers if ch not in self._confirmed]
+        stale = [ch for ch in channels[1:] if ch not in self._watchers]
+        for ch in missing:
+            self._confirmed[ch] = loop.create_future()
+            self._unconfirmed[ch] = self._unconfirmed.get(ch, 0) + 1
+        for ch in stale:
+            self._confirmed.pop(ch, None)
+        if missing:
+            await ps.subscribe(*missing)
+        if stale:
+            await ps.unsubscribe(*stale)
+
+    async def _read(self) -> None:
+        ps = self._pubsub
+        while True:
+            msg = await ps.get_message(timeout=1.0)
+            if not msg:
+                continue
+            kind = msg.get("type")
+            ch = msg["channel"].decode() if isinstance(msg["channel"], bytes) else msg["channel"]
+            if kind == "message":
+                self._wake(ch)
+            elif kind == "subscribe":
+                left = self._unconfirmed.get(ch, 0) - 1
+                if left > 0:
+                    self._unconfirmed[ch] = left
+                    continue
+                self._unconfirmed.pop(ch, None)
+                fut = self._confirmed.get(ch)
+                if fut is not None and not fut.done():
+                    fut.set_result(True)
+                self._wake(ch)  # a job may have ended while this channel was not subscribed
+
+    async def _drop(self) -> None:
+        ps, client = self._pubsub, self._client
+        self._pubsub = self._client = None
+        for fut in self._confirmed.values():
+            if not fut.done():
+                fut.set_result(False)
+        self._confirmed.clear()
+        self._unconfirmed.clear()
+        if ps is not None:
+            with contextlib.suppress(Exception):
+                await ps.aclose()
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.aclose()
 
     async def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(BaseException):
                 await self._reader
-        if self._pubsub is not None:
-            with contextlib.suppress(Exception):
-                await self._pubsub.aclose()
-        if self._redis is not None:
-            with contextlib.suppress(Exception):
-                await self._redis.aclose()
+            self._reader = None
+        await self._drop()

@@ -64,7 +64,7 @@ if not t then return 0 end
 redis.call('DECRBY', KEYS[1], tonumber(t))
 redis.call('HDEL', KEYS[3], ARGV[1])
 redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('INCR', KEYS[4])
+if ARGV[2] == '1' then redis.call('INCR', KEYS[4]) end
 return 1
 """
 
@@ -149,7 +149,8 @@ class Admission:
         self.drain.add(int(self.r.get(_DRAINED) or 0))
 
 
-def release(r: Any, job_id: str) -> bool:
-    """Called when a job is collected: frees its tokens and counts it as drained."""
+def release(r: Any, job_id: str, *, drained: bool = True) -> bool:
+    """Frees a job's tokens: when it is collected (and counts it as drained, for the drain
+    rate), or when it was admitted but could not be enqueued (``drained=False``)."""
     script = r.register_script(_RELEASE)
-    return bool(script(keys=[_TOKENS, _JOBS, _JOB_TOKENS, _DRAINED], args=[job_id]))
+    return bool(script(keys=[_TOKENS, _JOBS, _JOB_TOKENS, _DRAINED], args=[job_id, int(drained)]))

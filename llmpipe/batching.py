@@ -175,8 +175,17 @@ class Batcher(Generic[T]):
                 if self._stopping and not self._pending:
                     return None
                 size = len(self._pending)
-                expected = size < self._window.max_size and self._expect_company()
-                if self._stopping or self._window.ready(size, company_expected=expected):
+                if self._stopping or self._window.ready(size):  # full, or the window has passed
+                    break
+                # The probe is a network round trip (LLEN): made without the lock, so that
+                # submit() never waits on Redis.
+                self._cond.release()
+                try:
+                    expected = self._expect_company()
+                finally:
+                    self._cond.acquire()
+                size = len(self._pending)
+                if self._stopping or self._window.ready(size, company_expected=expected and size < self._window.max_size):
                     break
                 self._cond.wait(timeout=self._window.remaining())
             batch = self._pending[: self._window.max_size]

@@ -32,7 +32,9 @@ def load_settings(**overrides) -> Settings:
         raise click.ClickException(str(exc)) from None
     except ValidationError as exc:
         err = exc.errors()[0]
-        where = ".".join(str(p) for p in err.get("loc", ())) or "settings"
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        if not where:  # a check across settings: its message says it all
+            raise click.ClickException(f"invalid settings: {err.get('msg', '').removeprefix('Value error, ')}") from None
         raise click.ClickException(f"invalid setting {where}={err.get('input')!r}: {err.get('msg')}") from None
 
 
@@ -53,16 +55,34 @@ def load_settings(**overrides) -> Settings:
 @click.option("--ready-timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for readiness.")
 @click.option("--quiet", is_flag=True, help="Do not echo the children's logs (they still go to the log files).")
 @click.option("--verbose", is_flag=True, help="Echo every line of the children's logs, not only warnings and errors.")
+@click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE",
+              help="A vLLM engine argument (AsyncEngineArgs field), e.g. tensor_parallel_size=2; repeatable. "
+                   "Wins over the config file's [engine_args] table.")
+@click.option("--print-config", is_flag=True, help="Print the effective settings, the engine arguments and the "
+              "platform that chose their defaults, then exit.")
 def up(model, engine, redis_url, cpu_workers, batch_window_ms, max_batch_size, port, flower_port, no_flower,
-       config_file, state_dir, ready_timeout, quiet, verbose):
+       config_file, state_dir, ready_timeout, quiet, verbose, engine_args, print_config):
     """Start Redis (if needed), the workers, the API and Flower; Ctrl-C stops them."""
+    from llmpipe.engines.vllm_args import EngineArgError, parse_pairs
     from llmpipe.up import run_up
 
     if config_file:
         os.environ["LLMPIPE_CONFIG"] = os.path.abspath(config_file)
+    try:
+        passed = parse_pairs(engine_args) or None
+    except EngineArgError as exc:
+        raise click.ClickException(str(exc)) from None
     s = load_settings(model=model, engine=engine, redis_url=redis_url, cpu_workers=cpu_workers,
                       batch_window_ms=batch_window_ms, max_batch_size=max_batch_size, api_port=port,
-                      flower_port=flower_port, state_dir=state_dir)
+                      flower_port=flower_port, state_dir=state_dir, engine_args=passed)
+    if print_config:
+        from llmpipe.engines.platform import describe_config
+
+        try:
+            click.echo(describe_config(s))
+        except EngineArgError as exc:
+            raise click.ClickException(str(exc)) from None
+        return
     sys.exit(run_up(s, flower=not no_flower, echo=not quiet, redis_explicit="redis_url" in s.model_fields_set,
                     ready_timeout=ready_timeout, verbose=verbose))
 

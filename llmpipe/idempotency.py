@@ -34,8 +34,9 @@ import json
 import logging
 import threading
 import time
-from concurrent.futures import Future
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from contextvars import ContextVar
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -43,6 +44,10 @@ from typing import Any
 log = logging.getLogger("llmpipe.idempotency")
 
 _KEY = "llmpipe:idem:{}"
+
+# The delivery count of the message whose stage ``StageMemo.run`` computes (0: unknown), so
+# that a stage can tell a redelivery (inference then resumes from what was streamed).
+DELIVERY: ContextVar[int] = ContextVar("llmpipe_delivery", default=0)
 
 
 class Outcome(StrEnum):
@@ -125,9 +130,9 @@ class StageMemo:
                 log.info("request=%s stage=%s duplicate joined the run in progress", request_id, stage)
                 return value, Outcome.COALESCED
             except Exception:  # the first run failed or hangs: run it here
-                return self._compute(stage, request_id, compute)
+                return self._compute(stage, request_id, compute, claim.deliveries)
         try:
-            value, how = self._compute(stage, request_id, compute)
+            value, how = self._compute(stage, request_id, compute, claim.deliveries)
             mine.set_result(value)
             return value, how
         except BaseException as exc:
@@ -137,8 +142,13 @@ class StageMemo:
             with self._lock:
                 self._inflight.pop(key, None)
 
-    def _compute(self, stage: str, request_id: str, compute: Callable[[], dict]) -> tuple[dict, Outcome]:
-        value, ours = self.finish(stage, request_id, compute())
+    def _compute(self, stage: str, request_id: str, compute: Callable[[], dict], deliveries: int = 0) -> tuple[dict, Outcome]:
+        token = DELIVERY.set(deliveries)
+        try:
+            computed = compute()
+        finally:
+            DELIVERY.reset(token)
+        value, ours = self.finish(stage, request_id, computed)
         if not ours:
             log.warning("request=%s stage=%s ran twice at once; returning the result stored first", request_id, stage)
         return value, Outcome.COMPUTED if ours else Outcome.LOST_RACE

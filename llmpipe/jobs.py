@@ -1,7 +1,25 @@
-"""The job registry in Redis: which ids the API issued, their deadline and status.
+"""The job record in Redis: the one source of truth for a job's state and result.
 
 Celery reads unknown, expired and pending ids alike as PENDING, so the API keeps its own
-record per job; the chord's result (stored under the job id) holds the JobResult.
+record per job, a hash at ``llmpipe:job:{id}``:
+
+=============  =============================================================================
+``status``     queued -> running -> one terminal status (succeeded, failed, expired, cancelled)
+``created_at``, ``updated_at``, ``deadline``  epoch seconds
+``n_prompts``, ``kind`` ("job" or "openai"), ``meta`` (JSON, optional)
+``error``      JSON ``{"type", "message", "stage"?, "param"?}`` once the job ended without success
+``result``     JSON ``JobResult``, written by the chord callback (``collect``) with the status
+``waiters``    HTTP requests waiting on the job (OpenAI endpoints); when the last one goes
+               away (client disconnect) the job is cancelled (``abandoned`` = 1)
+=============  =============================================================================
+
+Every move is one Lua script (``_MOVE``): a job moves to ``running`` only from ``queued``,
+and to a terminal status only from a non-terminal one. The first terminal write wins and
+never changes: a DELETE or a watchdog expiry that lands after ``collect`` changes nothing,
+and a result that arrives after a cancel is dropped. A terminal move also drops the job
+from the watchdog's deadline index, optionally raises the cancel flag that workers check
+(and broadcasts it), and publishes on the job's done channel, which the API's waiters
+listen to. Readers (view, long-poll, SSE) read only this record.
 """
 
 from __future__ import annotations
@@ -11,25 +29,46 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from llmpipe.messages import JobStatus
+from llmpipe.cancel import CHANNEL as CANCEL_CHANNEL
+from llmpipe.cancel import cancel_key
+from llmpipe.messages import JobResult, JobStatus
 
 _KEY = "llmpipe:job:{}"
-DEADLINE_INDEX = "llmpipe:job-deadlines"  # read by llmpipe.watchdog
+KEY_PREFIX = "llmpipe:job:"
+DEADLINE_INDEX = "llmpipe:job-deadlines"  # read by llmpipe.watchdog; holds unfinished jobs only
 
 
 def done_channel(job_id: str) -> str:
-    """Published when a job is settled outside its chord (cancelled, expired)."""
+    """Published on every terminal move of the job."""
     return f"llmpipe:job-done:{job_id}"
 
-# Moves a job to a new status unless it is already terminal; returns 1 when it moved.
-_TRANSITION = """
+
+# KEYS: job hash, done channel, deadline index, cancel flag, cancel channel
+# ARGV: status, now, error JSON or '', result JSON or '', cancel flag TTL (0: none), job id, mode
+# mode 'abandon': one waiter left; the job is cancelled only when it was the last one.
+# Returns -1 unknown job, 0 not moved, 1 moved, 2 other waiters remain.
+_MOVE = """
 local cur = redis.call('HGET', KEYS[1], 'status')
 if not cur then return -1 end
+if ARGV[7] == 'abandon' then
+  if redis.call('HINCRBY', KEYS[1], 'waiters', -1) > 0 then return 2 end
+end
 if cur == 'succeeded' or cur == 'failed' or cur == 'expired' or cur == 'cancelled' then return 0 end
-if ARGV[1] == 'running' and cur ~= 'queued' then return 0 end
+if ARGV[1] == 'running' then
+  if cur ~= 'queued' then return 0 end
+  redis.call('HSET', KEYS[1], 'status', 'running', 'updated_at', ARGV[2])
+  return 1
+end
 redis.call('HSET', KEYS[1], 'status', ARGV[1], 'updated_at', ARGV[2])
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[3]) end
-if ARGV[1] ~= 'running' then redis.call('PUBLISH', KEYS[2], ARGV[1]) end
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'result', ARGV[4]) end
+if ARGV[7] == 'abandon' then redis.call('HSET', KEYS[1], 'abandoned', '1') end
+redis.call('ZREM', KEYS[3], ARGV[6])
+if tonumber(ARGV[5]) > 0 then
+  redis.call('SET', KEYS[4], '1', 'EX', ARGV[5])
+  redis.call('PUBLISH', KEYS[5], ARGV[6])
+end
+redis.call('PUBLISH', KEYS[2], ARGV[1])
 return 1
 """
 
@@ -44,6 +83,12 @@ class JobRecord:
     kind: str
     error: dict | None = None
     meta: dict | None = None
+    result_json: str | None = None
+    updated_at: float | None = None
+
+    @property
+    def result(self) -> JobResult | None:
+        return JobResult.model_validate_json(self.result_json) if self.result_json else None
 
     @classmethod
     def from_hash(cls, job_id: str, h: dict[bytes | str, Any]) -> JobRecord:
@@ -57,6 +102,8 @@ class JobRecord:
             kind=d.get("kind", "job"),
             error=json.loads(d["error"]) if d.get("error") else None,
             meta=json.loads(d["meta"]) if d.get("meta") else None,
+            result_json=d.get("result") or None,
+            updated_at=float(d["updated_at"]) if d.get("updated_at") else None,
         )
 
 
@@ -64,14 +111,14 @@ class JobStore:
     def __init__(self, redis_client: Any, ttl_s: int):
         self.r = redis_client
         self.ttl_s = ttl_s
-        self._transition = self.r.register_script(_TRANSITION)
+        self._move = self.r.register_script(_MOVE)
 
     @staticmethod
     def key(job_id: str) -> str:
         return _KEY.format(job_id)
 
     def create(self, job_id: str, *, n_prompts: int, deadline: float, kind: str = "job",
-               meta: dict | None = None, now: float | None = None, pipe: Any = None) -> None:
+               meta: dict | None = None, now: float | None = None, pipe: Any = None, waiters: int = 0) -> None:
         if now is None:
             now = time.time()
         p = pipe if pipe is not None else self.r.pipeline(transaction=False)
@@ -79,10 +126,15 @@ class JobStore:
                   "n_prompts": n_prompts, "kind": kind, "updated_at": now}
         if meta:
             fields["meta"] = json.dumps(meta)
+        if waiters:
+            fields["waiters"] = waiters
         p.hset(self.key(job_id), mapping=fields)
         p.expire(self.key(job_id), self.ttl_s)
-        # The watchdog settles the job at its deadline if nothing else has by then.
+        # The watchdog settles the job at its deadline if nothing else has by then. A terminal
+        # move removes it; entries whose records are long gone (no watchdog ran) are trimmed
+        # here, so the index stays bounded without one.
         p.zadd(DEADLINE_INDEX, {job_id: deadline})
+        p.zremrangebyscore(DEADLINE_INDEX, "-inf", now - self.ttl_s)
         if pipe is None:
             p.execute()
 
@@ -90,8 +142,34 @@ class JobStore:
         h = self.r.hgetall(self.key(job_id))
         return JobRecord.from_hash(job_id, h) if h else None
 
-    def transition(self, job_id: str, status: JobStatus, error: dict | None = None, now: float | None = None) -> bool:
+    def _run(self, job_id: str, status: JobStatus, *, error: dict | None = None, result: str = "",
+             cancel_ttl_s: int = 0, mode: str = "set", now: float | None = None) -> int:
         if now is None:
             now = time.time()
-        res = self._transition(keys=[self.key(job_id), done_channel(job_id)], args=[status.value, now, json.dumps(error) if error else ""])
-        return res == 1
+        keys = [self.key(job_id), done_channel(job_id), DEADLINE_INDEX, cancel_key(job_id), CANCEL_CHANNEL]
+        args = [status.value, now, json.dumps(error) if error else "", result, int(cancel_ttl_s), job_id, mode]
+        return int(self._move(keys=keys, args=args))
+
+    def transition(self, job_id: str, status: JobStatus, error: dict | None = None, now: float | None = None,
+                   result: str | None = None) -> bool:
+        """Move the job to ``status`` (with its error, and the result JSON) unless it is terminal."""
+        return self._run(job_id, status, error=error, result=result or "", now=now) == 1
+
+    def finish(self, result: JobResult, now: float | None = None) -> bool:
+        """The chord callback's move: the collected result and its status, in one step."""
+        error = result.error.model_dump(mode="json", exclude_none=True) if result.error else None
+        if error is not None:
+            error["type"] = error.pop("reason")
+        return self.transition(result.job_id, result.status, error, now=now,
+                               result=result.model_dump_json(exclude_none=True))
+
+    def stop(self, job_id: str, status: JobStatus, error: dict, now: float | None = None) -> bool:
+        """Settle a job that must not run any more (DELETE, deadline): the workers see the
+        cancel flag and the inference worker aborts its running requests."""
+        return self._run(job_id, status, error=error, cancel_ttl_s=self.ttl_s, now=now) == 1
+
+    def abandon(self, job_id: str, now: float | None = None) -> int:
+        """A waiting HTTP client went away; the job is cancelled if no other one waits on it.
+        Returns 1 when cancelled, 2 when others still wait, 0 when already terminal."""
+        error = {"type": "cancelled", "message": "the client disconnected before the job finished"}
+        return self._run(job_id, JobStatus.CANCELLED, error=error, cancel_ttl_s=self.ttl_s, mode="abandon", now=now)

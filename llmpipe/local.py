@@ -6,8 +6,8 @@ same real processes.
 
 from __future__ import annotations
 
+import json
 import logging
-
 import re
 import shutil
 import signal
@@ -51,7 +51,12 @@ def settings_env(s: Settings) -> dict[str, str]:
             continue
         if isinstance(value, bool):
             value = str(value).lower()
+        elif isinstance(value, (dict, list)):  # pydantic-settings reads JSON for these
+            value = json.dumps(value)
         env[f"LLMPIPE_{name.upper()}"] = str(value)
+    # These are all of them: a child that read the config file again would merge its
+    # [engine_args] table into the effective one a second time.
+    env["LLMPIPE_CONFIG"] = ""
     return env
 
 

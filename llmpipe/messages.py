@@ -43,6 +43,8 @@ class ErrorReason(StrEnum):
     UNAUTHORIZED = "unauthorized"
     FORBIDDEN = "forbidden"
     INTERNAL = "internal_error"
+    IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"  # the same Idempotency-Key with a different body
+    IDEMPOTENCY_KEY_IN_USE = "idempotency_key_in_use"  # the first request with this key is still being admitted
 
 
 class JobStatus(StrEnum):

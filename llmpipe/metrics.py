@@ -34,6 +34,7 @@ REJECTED = Counter("llmpipe_requests_rejected_total", "Jobs rejected by admissio
 FINISHED = Counter("llmpipe_jobs_finished_total", "Jobs that reached a terminal state.", ["status"])
 EXPIRED = Counter("llmpipe_requests_expired_total", "Prompts that passed their deadline.", ["stage"])
 CANCELLED = Counter("llmpipe_requests_cancelled_total", "Prompts cancelled by their client.", ["stage"])
+ENGINE_ABORTS = Counter("llmpipe_engine_aborts_total", "Requests the engine stopped generating (cancel, client gone, deadline).")
 ENGINE_RUNNING = Gauge("llmpipe_engine_running_requests", "Requests the engine is generating.", multiprocess_mode="mostrecent")
 ENGINE_WAITING = Gauge("llmpipe_engine_waiting_requests", "Requests waiting inside the engine.", multiprocess_mode="mostrecent")
 ENGINE_KV = Gauge("llmpipe_engine_kv_cache_usage_ratio", "Share of the KV cache in use (0-1).", multiprocess_mode="mostrecent")

@@ -16,7 +16,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 
@@ -69,11 +69,22 @@ class Settings(BaseSettings):
     # Model and engine
     model: str = "smollm2"  # "smollm2", "tiny", a local folder, or a hub id
     engine: EngineKind = EngineKind.VLLM
-    dtype: str = "float32"
+    # None: chosen by platform (llmpipe/engines/platform.py): on CUDA dtype auto (bf16 for
+    # the transformers engine), CUDA graphs, 0.9 of the GPU, vLLM's own max_num_seqs; on the
+    # CPU float32, eager, 0.85, max_num_seqs = max_batch_size.
+    dtype: str | None = None
     max_model_len: int | None = None  # None: the model's own context length
     kv_cache_gib: float = 1.0  # vLLM CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)
-    enforce_eager: bool = True
-    gpu_memory_utilization: float = 0.85
+    enforce_eager: bool | None = None
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int | None = None  # vLLM's running set (continuous batching); not the dispatch batch
+    # The most log probabilities a request may ask per token (vLLM's --max-logprobs; an
+    # engine argument max_logprobs folds into it, so the API and vLLM agree).
+    max_logprobs: int = 20
+    # Other vLLM AsyncEngineArgs, passed through (`--engine-arg KEY=VALUE`, `[engine_args]` in
+    # the config file); checked against vLLM's fields (llmpipe/engines/vllm_args.py). Those
+    # that are settings above fold into them.
+    engine_args: dict[str, Any] = Field(default_factory=dict)
 
     # Dynamic batching on the inference worker
     batch_window_ms: float = 50.0
@@ -135,8 +146,26 @@ class Settings(BaseSettings):
     # (/.dockerenv or /run/.containerenv), where root is the norm; true/false: always/never.
     allow_root: bool | None = None
 
-    # The most log probabilities a request may ask per token (vLLM's --max-logprobs).
-    max_logprobs: int = 20
+    @model_validator(mode="before")
+    @classmethod
+    def _fold_engine_args(cls, data: Any) -> Any:
+        """An engine argument that is also a setting (max_model_len, dtype, ...) becomes the
+        setting, so that every stage sees one value; given both ways, it must agree."""
+        if not isinstance(data, dict) or not isinstance(data.get("engine_args"), dict):
+            return data
+        from llmpipe.engines.vllm_args import SETTING_ALIASES
+
+        data, args = dict(data), dict(data["engine_args"])
+        for name in SETTING_ALIASES:
+            if name not in args:
+                continue
+            value = args.pop(name)
+            if data.get(name) is not None and str(data[name]).lower() != str(value).lower():
+                raise ValueError(f"{name} is given twice, as a setting ({data[name]!r}) and as an engine argument "
+                                 f"({value!r}): give it once")
+            data[name] = value
+        data["engine_args"] = args
+        return data
 
     @property
     def effective_visibility_timeout_s(self) -> float:

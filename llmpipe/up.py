@@ -90,6 +90,7 @@ def run_up(s: Settings, *, flower: bool = True, echo: bool = True, redis_explici
         for port, what, flag in [(s.api_port, "API", "--port"), *([(s.flower_port, "Flower", "--flower-port")] if flower else [])]:
             if port_in_use(port):
                 raise PipelineError(f"port {port} for the {what} is already in use (choose another with {flag})")
+        _check_engine_args(s)
         configured = _configured_redis(s, redis_explicit)
         try:
             model_path = resolve_model(s.model, s.models_dir, progress=True)
@@ -146,6 +147,17 @@ def run_up(s: Settings, *, flower: bool = True, echo: bool = True, redis_explici
         if pipeline is not None or embedded is not None:
             console.print("stopped" + (" (forced)" if force.is_set() else ""))
     return code
+
+
+def _check_engine_args(s: Settings) -> None:
+    """A typo in an engine argument is one line now, not an engine that fails to start later."""
+    from llmpipe.engines.platform import check_engine_args
+    from llmpipe.engines.vllm_args import EngineArgError
+
+    try:
+        check_engine_args(s)
+    except EngineArgError as exc:
+        raise PipelineError(str(exc)) from None
 
 
 MAX_ENGINE_RESTARTS = 5

@@ -111,13 +111,13 @@ class Watchdog:
             return 0
         if rec.deadline + self.grace_s > now:
             return 0
-        status, error = self._chord_outcome(job_id)
+        status, error, result = self._chord_outcome(job_id)
         if status is None:
             late = now - rec.deadline
             status = JobStatus.EXPIRED
             error = {"type": "expired", "message": f"the job did not finish by its deadline ({late:.1f}s ago); "
                      "a stage stopped consuming (a worker died?), so the watchdog expired it"}
-        if not self.store.transition(job_id, status, error, now=now):
+        if not self.store.transition(job_id, status, error, now=now, result=result):
             return 0
         self.settled[status.value] = self.settled.get(status.value, 0) + 1
         log.warning("job=%s settled as %s by the watchdog (deadline passed %.1fs ago, was %s)",
@@ -127,26 +127,32 @@ class Watchdog:
                                     prompts=rec.n_prompts, was=rec.status.value)
         return 1
 
-    def _chord_outcome(self, job_id: str) -> tuple[JobStatus | None, dict | None]:
+    def _chord_outcome(self, job_id: str) -> tuple[JobStatus | None, dict | None, str | None]:
+        """(status, error, result JSON) from the chord's stored result: the job record
+        lagged because the chord callback could not write it (Redis was away)."""
         raw = self.r.get(self._meta_key(job_id))
         if not raw:
-            return None, None
+            return None, None, None
         try:
             meta = json.loads(raw)
         except ValueError:
-            return None, None
+            return None, None, None
         state = meta.get("status")
         if state == "SUCCESS":
             result = meta.get("result") or {}
+            error = result.get("error")
+            if isinstance(error, dict) and "reason" in error:
+                error = {"type": error["reason"], **{k: v for k, v in error.items() if k != "reason"}}
             try:
-                return JobStatus(result.get("status", "succeeded")), result.get("error")
+                status = JobStatus(result.get("status", "succeeded"))
             except ValueError:
-                return JobStatus.SUCCEEDED, None
+                status, error = JobStatus.SUCCEEDED, None
+            return status, error, json.dumps(result)
         if state == "FAILURE":
             res = meta.get("result") or {}
             msg = f"{res.get('exc_type', 'error')}: {res.get('exc_message', '')}" if isinstance(res, dict) else str(res)
-            return JobStatus.FAILED, {"type": "internal_error", "message": msg}
-        return None, None
+            return JobStatus.FAILED, {"type": "internal_error", "message": msg}, None
+        return None, None, None
 
 
 class WatchdogLoop:

@@ -3,6 +3,12 @@
 # re-runs only when pyproject.toml or this script changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The multi-host tests and `llmpipe bench --modes scaling` run hosts as network namespaces
+# with iproute2's `ip` (as root); install it where we can.
+if ! command -v ip >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  { apt-get update -qq && apt-get install -y -qq iproute2 >/dev/null; } ||
+    echo "llmpipe: could not install iproute2; the hosts tests will be skipped" >&2
+fi
 VENV=${LLMPIPE_VENV:-.venv}
 PY=${PYTHON:-python3}
 want=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
@@ -11,7 +17,11 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 echo "llmpipe: setting up $VENV (first run takes a few minutes)" >&2
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' ||
+    { echo "llmpipe: needs Python 3.11 or newer; $PY is $("$PY" -V 2>&1). Set PYTHON=python3.11" >&2; exit 1; }
+  "$PY" -m venv "$VENV"
+fi
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 
 if [ -n "${LLMPIPE_EXTRA:-}" ]; then

@@ -1,5 +1,6 @@
 from llmpipe import metrics
 from llmpipe.celery_app import app
+from llmpipe.idempotency import DELIVERY
 from llmpipe.messages import ErrorReason, Stage, StageError, TokenizedRequest
 from workers.context import context
 
@@ -19,7 +20,9 @@ def inference(msg: dict) -> dict:
 
 
 def _infer(req: TokenizedRequest) -> dict:
-    out = context().inference().process(req)
+    # A redelivered message (its worker died) continues from the tokens its first delivery
+    # streamed, so a client never sees text that the result then contradicts.
+    out = context().inference().process(req, resume=DELIVERY.get() > 1)
     metrics.observe_stage(out.timings[-1])
     if out.error is not None and req.error is None:
         metrics.observe_error(out.error.reason.value, Stage.INFERENCE.value)

@@ -99,7 +99,7 @@ class WorkerContext:
                     from llmpipe.processors.inference_processor import InferenceProcessor
 
                     from llmpipe import cancel, metrics
-                    from llmpipe.streaming import TokenPublisher
+                    from llmpipe.streaming import TokenPublisher, read_published
 
                     engine = self.engine_owner.get()
                     s = self.settings
@@ -113,7 +113,7 @@ class WorkerContext:
                         engine, window_s=s.batch_window_ms / 1000.0, max_size=s.max_batch_size,
                         company_expected=_queue_probe(self.redis, "inference"), on_batch=on_batch,
                         publisher=self._publisher, cancelled_jobs=lambda ids: cancel.cancelled(self.redis, ids),
-                        on_engine_dead=engine_died,
+                        on_engine_dead=engine_died, published=lambda job_id: read_published(self.redis, job_id),
                     )
                     self._cancel_listener = cancel.CancelListener(self.redis, proc.cancel)
                     threading.Thread(target=_sample_engine, args=(proc,), name="llmpipe-engine-stats", daemon=True).start()

@@ -127,8 +127,11 @@ def _stop_watchdog(**_):
 
 @task_failure.connect
 def _dead_letter(sender=None, task_id=None, exception=None, args=None, kwargs=None, **_):
-    """A task raised an unexpected exception (its job ends failed): keep a dead letter."""
+    """A task raised an unexpected exception: its chord fails, so its job ends ``failed``
+    (the job record is what the API reads), and a dead letter is kept."""
     try:
+        from llmpipe.messages import ErrorReason, JobStatus
+
         name = getattr(sender, "name", None) or str(sender)
         msg = args[0] if args and isinstance(args[0], dict) else {}
         job_id = msg.get("job_id") or (kwargs or {}).get("job_id")
@@ -138,6 +141,10 @@ def _dead_letter(sender=None, task_id=None, exception=None, args=None, kwargs=No
             job_id=job_id, request_id=f"{job_id}-{index}" if job_id and index is not None else None,
             task=name, task_id=task_id,
         )
+        if job_id:
+            context().jobs.transition(job_id, JobStatus.FAILED, {
+                "type": ErrorReason.INTERNAL.value, "message": f"{type(exception).__name__}: {exception}",
+                "stage": name.removeprefix("llmpipe.")})
     except Exception:  # never let bookkeeping fail the failure path
         log.exception("could not dead-letter task %s", task_id)
 

@@ -55,7 +55,7 @@ def _loadavg() -> str:
 @click.command()
 @click.option("--engine", "engines", default="all", show_default=True,
               help="real, simulated, noop, or all (comma-separated list allowed).")
-@click.option("--modes", callback=_csv(str), help=f"Comma-separated subset of: {', '.join(MODES)} (default: per engine).")
+@click.option("--modes", callback=_csv(str), help=f"Comma-separated subset of: {', '.join(MODES)} (default: per engine); or scaling, alone.")
 @click.option("--concurrency", callback=_csv(int), help="Closed loop: comma-separated client counts (default: per engine).")
 @click.option("--rate", callback=_csv(float), help="Open loop instead: comma-separated Poisson arrival rates (req/s).")
 @click.option("--requests", type=int, help="Requests per load point (default: per engine and mode).")
@@ -65,7 +65,7 @@ def _loadavg() -> str:
 @click.option("--model", default=None, help="Model for every engine's tokenizer and the real engine (default smollm2; tiny with --quick).")
 @click.option("--real-engine", type=click.Choice(["vllm", "transformers"]), default=None,
               help="The real engine (default vllm; transformers with --quick).")
-@click.option("--max-batch-size", type=int, default=32, show_default=True)
+@click.option("--max-batch-size", type=int, help="Max batch (default 32; 8 for the scaling mode).")
 @click.option("--cpu-workers", type=int, default=2, show_default=True, help="Processes per CPU stage pool.")
 @click.option("--sim-preprocess-ms", type=float, default=20.0, show_default=True, help="Simulated engine: CPU burn per request in preprocess.")
 @click.option("--sim-postprocess-ms", type=float, default=15.0, show_default=True, help="Simulated engine: CPU burn per request in postprocess.")
@@ -78,13 +78,29 @@ def _loadavg() -> str:
 @click.option("--request-timeout", type=float, default=None, help="Seconds before a request counts as failed (default 300; 60 with --quick).")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-results"), show_default=True)
 @click.option("--quick", is_flag=True, help="Smoke profile: tiny model, transformers, a handful of requests.")
-def bench(engines, modes, concurrency, rate, requests, duration, prompt_tokens, max_tokens, model, real_engine,
+@click.option("--workers", callback=_csv(int), help="Scaling mode: inference worker counts (default 1,2,4).")
+@click.option("--hop-rtt-ms", type=float, help="Scaling mode: added round trip between two hosts (default 20).")
+@click.option("--cpu-instances", type=int, help="Scaling mode: Celery workers per CPU stage (default 4).")
+@click.pass_context
+def bench(ctx, engines, modes, concurrency, rate, requests, duration, prompt_tokens, max_tokens, model, real_engine,
           max_batch_size, cpu_workers, sim_preprocess_ms, sim_postprocess_ms, sim_prefill_ms_per_token, sim_step_ms,
-          sim_step_ms_per_seq, api, request_timeout, out, quick):
+          sim_step_ms_per_seq, api, request_timeout, out, quick, workers, hop_rtt_ms, cpu_instances):
     """Benchmark serial, pipeline (no batching, 50 ms window, continuous) and `vllm serve`
     on real vLLM, a SIMULATED GPU and a no-op engine; writes report.md, results.json and
-    plots to --out."""
+    plots to --out. `--modes scaling` instead runs 1, 2 and 4 inference workers on hosts
+    of their own with 20 ms round trips between hosts (network namespaces; needs root)."""
     from rich.console import Console
+
+    if modes and "scaling" in modes:
+        from click.core import ParameterSource
+
+        from llmpipe.bench.scaling import bench_scaling
+
+        if modes != ["scaling"] or rate:
+            raise click.BadParameter("scaling runs alone, closed loop (no --rate)", param_hint="--modes")
+        given = {k: v for k, v in ctx.params.items() if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT}
+        renames = {"sim_preprocess_ms": "sim_preprocess_cpu_ms", "sim_postprocess_ms": "sim_postprocess_cpu_ms"}
+        sys.exit(bench_scaling({renames.get(k, k): v for k, v in given.items()}, Console(stderr=True, highlight=False)))
 
     from llmpipe.bench.plan import ENGINES, Options, build_plans
     from llmpipe.bench.report import write_all
@@ -125,7 +141,7 @@ def bench(engines, modes, concurrency, rate, requests, duration, prompt_tokens, 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
     o = Options(engines=chosen, modes=modes, concurrency=concurrency, rate=rate, requests=requests,
                 prompt_tokens=prompt_tokens, max_tokens=max_tokens, model=model, real_engine=real_engine,
-                max_batch=max_batch_size, cpu_workers=cpu_workers, sim=sim, api=api, quick=quick)
+                max_batch=max_batch_size or 32, cpu_workers=cpu_workers, sim=sim, api=api, quick=quick)
     plans = build_plans(o, model_path, tokenizer)
     for p in plans:
         console.print(f"[bold]{p.setup.label}[/]: " + "; ".join(

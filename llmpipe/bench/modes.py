@@ -146,10 +146,14 @@ def start_server(mode: Mode, eng: EngineSetup, redis_url: str, log_dir: Path, *,
     elif mode.kind == "vllm-serve":
         if eng.kind is not EngineKind.VLLM:
             raise ServerError("vllm-serve runs only with the vLLM engine")
+        from llmpipe.engines.platform import engine_config
+
+        ea = engine_config(s).args  # what the pipeline's engine gets on this platform
         argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", eng.model_path,
-                "--host", "127.0.0.1", "--port", str(port),
-                "--enforce-eager", "--dtype", s.dtype, "--max-model-len", str(eng.max_model_len),
-                "--max-num-seqs", str(eng.max_batch), "--seed", "0"]
+                "--host", "127.0.0.1", "--port", str(port), "--dtype", str(ea["dtype"]),
+                "--max-model-len", str(eng.max_model_len), "--seed", "0"]
+        argv += ["--enforce-eager"] if ea.get("enforce_eager") else []
+        argv += ["--max-num-seqs", str(ea["max_num_seqs"])] if ea.get("max_num_seqs") else []
         child = sup.spawn("vllm-serve", argv, python_env(env))
         protocols, probe = ("openai",), "/v1/models"
     else:

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from llmpipe.bench.cpu import CpuSampler, redis_delta, redis_snapshot, self_pid
+from llmpipe.bench.gpu import GpuSampler
 from llmpipe.bench.loadgen import JobsClient, OpenAIClient, enrich, run_load
 from llmpipe.bench.modes import MODES, EngineSetup, Server, start_server
 from llmpipe.bench.redis_trace import trace
@@ -59,6 +60,7 @@ class RunConfig:
     request_timeout_s: float = 300.0
     redis_trace: bool = True  # MONITOR a few idle requests on the noop pipelines
     seed: int = 0
+    gpu: GpuSampler | None = None  # GPU utilization per load point (the GPU run)
 
 
 def _client(server: Server, plan: EnginePlan, api: str):
@@ -157,6 +159,7 @@ def _measure(plan: EnginePlan, server: Server, client, load: Load, cfg: RunConfi
         if pid:
             groups["redis"] = [int(pid)]
     sampler = CpuSampler(groups).start()
+    t_begin = time.time()
     samples = asyncio.run(run_load(client, prompts, requests=n, concurrency=load.concurrency, rate=load.rate,
                                    duration_s=cfg.duration_s or load.max_s, seed=cfg.seed, timeout_s=cfg.request_timeout_s,
                                    on_done=lambda s: progress.advance(step)))
@@ -171,4 +174,8 @@ def _measure(plan: EnginePlan, server: Server, client, load: Load, cfg: RunConfi
                         for x in samples])
     if rinfo is not None:
         row["redis"] = redis_delta(rinfo, redis_snapshot(r), len(samples))
+    row["span"] = [t_begin, time.time()]
+    if cfg.gpu is not None:
+        # Over the same steady window as the rates and engine busy, and over the whole point.
+        row["gpu"] = {"steady": cfg.gpu.summary(*summary["window"]), "point": cfg.gpu.summary(*row["span"])}
     return row

@@ -82,6 +82,7 @@ def summarize(samples: list[Sample], warmup: int, concurrency: int | None = None
         "errors": len(errors),
         "first_error": errors[0].error if errors else None,
         "window_s": window,
+        "window": [lo, lo + window],  # epoch seconds: the steady window the rates are over
         "latency_s": pcts(lat),
         "ttft_s": pcts(ttft) if ttft else None,
         "throughput_rps": rps,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from llmpipe.engines.base import Engine
+from llmpipe.errors import EngineError
 from llmpipe.settings import EngineKind, Settings
 
 
@@ -31,28 +32,22 @@ def create_engine(settings: Settings, model_path: str | None = None) -> Engine:
 
 def _create_engine(settings: Settings, model_path: str | None) -> Engine:
     kind = EngineKind(settings.engine)
+    if kind in (EngineKind.VLLM, EngineKind.TRANSFORMERS):
+        from llmpipe.engines.platform import engine_config
+        from llmpipe.engines.vllm_args import EngineArgError
+
+        try:
+            args = engine_config(settings).args
+        except EngineArgError as e:
+            raise EngineError(str(e)) from None
     if kind is EngineKind.VLLM:
         from llmpipe.engines.vllm_engine import VllmEngine
 
-        return VllmEngine(
-            _model_path(settings, model_path),
-            dtype=settings.dtype,
-            max_model_len=settings.max_model_len,
-            enforce_eager=settings.enforce_eager,
-            kv_cache_gib=settings.kv_cache_gib,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            max_num_seqs=settings.max_batch_size,
-            max_logprobs=settings.max_logprobs,
-        )
+        return VllmEngine(_model_path(settings, model_path), kv_cache_gib=settings.kv_cache_gib, **args)
     if kind is EngineKind.TRANSFORMERS:
         from llmpipe.engines.hf_engine import TransformersEngine
 
-        return TransformersEngine(
-            _model_path(settings, model_path),
-            dtype=settings.dtype,
-            max_model_len=settings.max_model_len,
-            max_batch_size=settings.max_batch_size,
-        )
+        return TransformersEngine(_model_path(settings, model_path), **args)
     if kind is EngineKind.NOOP:
         from llmpipe.engines.noop import NoopEngine
 

@@ -8,6 +8,9 @@ JSON, to make the engine fail in chosen ways on prompts that contain a marker te
 Keys (all optional):
 
 - ``poison``: a batch holding a prompt with this text raises a permanent EngineError;
+- ``fail_after_tokens``: {marker: n}: a batch holding a prompt with the marker runs in the
+  engine for n tokens per request (they are streamed) and then raises a permanent
+  EngineError, like an engine that fails mid-generation;
 - ``transient``: {marker: n}: a request with the marker raises a transient EngineError
   ("out of memory") on its first n engine attempts in this process;
 - ``crash``: a batch holding this text raises RuntimeError (an unexpected exception);
@@ -63,6 +66,7 @@ def _runtime_delay(r: Any, name: str) -> float:
 @dataclass(frozen=True)
 class FaultSpec:
     poison: str | None = None
+    fail_after_tokens: dict[str, int] = field(default_factory=dict)
     transient: dict[str, int] = field(default_factory=dict)
     crash: str | None = None
     die: str | None = None
@@ -98,11 +102,17 @@ class FaultInjectingEngine(Engine):
         self._lock = threading.Lock()
         self.name = f"faulty-{inner.name}"
         self.continuous = inner.continuous
+        self.supports_logprobs = inner.supports_logprobs
+        self.supports_structured_outputs = inner.supports_structured_outputs
         log.warning("FAULT INJECTION is on (%s=%s): this engine fails on purpose", ENV, spec)
 
     @property
     def max_model_len(self) -> int | None:
         return self.inner.max_model_len
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(getattr(self.inner, "eos_token_ids", ()) or ())
 
     def _ledger(self, key: str, batch: list[EngineRequest]) -> None:
         if not (self.spec.ledger and self._r is not None):
@@ -135,6 +145,13 @@ class FaultInjectingEngine(Engine):
             raise RuntimeError(f"injected unexpected exception (a prompt holds {s.crash!r})")
         if has(s.poison):
             raise EngineError(f"injected engine failure (a prompt holds {s.poison!r})")
+        for marker, n in s.fail_after_tokens.items():
+            if has(marker):
+                short = [EngineRequest(r.request_id, r.prompt_token_ids,
+                                       r.params.model_copy(update={"max_tokens": min(n, r.params.max_tokens)}))
+                         for r in batch]
+                self.inner.generate(short, on_tokens)
+                raise EngineError(f"injected engine failure after {n} tokens (a prompt holds {marker!r})")
         for marker, times in s.transient.items():
             for t, n in zip(texts, attempts, strict=True):
                 if marker in t and n <= times:

@@ -1,5 +1,10 @@
 """A plain transformers engine: one static batch at a time, no vLLM needed.
 
+Its dtype and device follow the platform rule (llmpipe/engines/platform.py): bf16 on a
+GPU, float32 on the CPU. A batch is one padded tensor with its attention mask: one
+batched prefill, then one batched forward per generated token. A model folder marked as
+random-weight (llmpipe/models/random_llama.py) is built from its config on the device.
+
 The decode loop is our own (prefill once with left padding, then one token per step with
 the KV cache), so that every request of a batch keeps its own sampling parameters,
 ``max_tokens`` and stop ids, and ``on_tokens`` is called after every step.
@@ -30,6 +35,7 @@ from typing import Any
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
 from llmpipe.errors import EngineDeadError, EngineError
 from llmpipe.messages import FinishReason, Logprob
+from llmpipe.metrics import ENGINE_ABORTS
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +57,23 @@ def _torch_dtype(torch: Any, dtype: str) -> Any:
     if not isinstance(value, torch.dtype):
         raise EngineError(f"unknown dtype {dtype!r}")
     return value
+
+
+def _load(torch: Any, auto: Any, model: str, dtype: Any, device: str, seed: int) -> Any:
+    """A checkpoint, or a random-weight model built on ``device`` from its config
+    (llmpipe/models/random_llama.py): no weights to read, and no copy from the CPU."""
+    from llmpipe.models.random_llama import is_random_weights
+
+    if not is_random_weights(model):
+        return auto.from_pretrained(model, dtype=dtype).to(device)
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    if dtype == "auto":
+        dtype = getattr(config, "dtype", None) or torch.float32
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        return auto.from_config(config, dtype=dtype)
 
 
 class TransformersEngine(Engine):
@@ -75,8 +98,8 @@ class TransformersEngine(Engine):
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         started = time.monotonic()
         try:
-            self._model = AutoModelForCausalLM.from_pretrained(model, dtype=_torch_dtype(torch, dtype))
-            self._model.to(self.device).eval()
+            self._model = _load(torch, AutoModelForCausalLM, model, _torch_dtype(torch, dtype), self.device, seed)
+            self._model.eval()
         except EngineError:
             raise
         except Exception as e:
@@ -203,6 +226,7 @@ class TransformersEngine(Engine):
                         continue
                     if r.request_id in self._cancelled:
                         reasons[i] = FinishReason.CANCELLED
+                        ENGINE_ABORTS.inc()
                         continue
                     tok = chosen[i]
                     tokens[i].append(tok)

@@ -24,13 +24,16 @@ from collections import Counter
 from typing import Any
 
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
+from llmpipe.engines.vllm_convert import (
+    StatsSink, as_id_list, is_transient, position, prompt_positions, sampling_params,
+)
 from llmpipe.errors import EngineBadRequestError, EngineDeadError, EngineError
 from llmpipe.messages import FinishReason, Logprob, SamplingParams
+from llmpipe.metrics import ENGINE_ABORTS
 
 log = logging.getLogger(__name__)
 
 _GiB = 1 << 30
-_TRANSIENT_MARKERS = ("out of memory", "outofmemory", "queueoverflow", "maxqueuedtokens", "no available memory")
 
 
 def _on_cpu() -> bool:
@@ -43,62 +46,6 @@ def _on_cpu() -> bool:
         return True
 
 
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
-
-
-def _is_transient(exc: BaseException) -> bool:
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        text = f"{type(e).__name__} {e}".lower()
-        if any(marker in text for marker in _TRANSIENT_MARKERS):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-class _StatsSink:
-    """A vLLM per-engine stat logger that keeps the latest scheduler stats."""
-
-    def __init__(self) -> None:
-        self.latest: Any = None
-
-    def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
-        from vllm.v1.metrics.loggers import StatLoggerBase
-
-        sink = self
-
-        class _Logger(StatLoggerBase):
-            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                pass
-
-            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
-                if scheduler_stats is not None:
-                    sink.latest = scheduler_stats
-
-            def log_engine_initialized(self) -> None:
-                pass
-
-        return _Logger(vllm_config, engine_index)
-
-
-def _position(entries: Any) -> list[Logprob]:
-    """vLLM's logprobs of one position ({token id: Logprob}, the sampled token first) as ours.
-    -inf becomes -9999.0, as vLLM's server writes it, so that the JSON stays valid."""
-    return [Logprob(id=int(t), logprob=max(float(lp.logprob), -9999.0), rank=lp.rank) for t, lp in entries.items()]
-
-
-def _prompt_positions(prompt_ids: list[int], plp: Any) -> list[list[Logprob]]:
-    """vLLM's prompt logprobs (None for the first token, which nothing precedes)."""
-    return [[Logprob(id=prompt_ids[0])] if pos is None else _position(pos) for pos in plp]
-
-
 class VllmEngine(Engine):
     name = "vllm"
     continuous = True
@@ -109,16 +56,18 @@ class VllmEngine(Engine):
         self,
         model: str,
         *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        enforce_eager: bool = True,
         kv_cache_gib: float = 1.0,
-        gpu_memory_utilization: float = 0.85,
-        max_num_seqs: int = 32,
-        seed: int = 0,
         start_timeout_s: float = 900.0,
-        max_logprobs: int = 20,
+        **engine_args: Any,
     ) -> None:
+        """``engine_args``: vLLM AsyncEngineArgs fields (dtype, max_model_len, enforce_eager,
+        max_num_seqs, tensor_parallel_size, ...); llmpipe/engines/platform.py chooses them.
+        A None value leaves vLLM's own default."""
+        from llmpipe.engines.vllm_args import OWNED, SKIP_TOKENIZER_INIT
+
+        owned = sorted(set(engine_args) & set(OWNED))
+        if owned:
+            raise EngineError(f"engine argument {owned[0]} is set by the pipeline: {OWNED[owned[0]]}")
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         self._on_cpu = _on_cpu()
         kv_bytes: int | None = None
@@ -132,24 +81,21 @@ class VllmEngine(Engine):
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         self._model = model
+        args: dict[str, Any] = {
+            "dtype": "auto",
+            "enforce_eager": True,
+            "seed": 0,
+            "kv_cache_memory_bytes": kv_bytes,
+            "disable_log_stats": True,  # our own stat logger below still gets the stats
+            **engine_args,
+        }
+        args = {k: v for k, v in args.items() if v is not None}
         try:
-            self._args = AsyncEngineArgs(
-                model=model,
-                # The tokenizer is for structured outputs only; prompts stay token ids.
-                skip_tokenizer_init=False,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                enforce_eager=enforce_eager,
-                gpu_memory_utilization=gpu_memory_utilization,
-                kv_cache_memory_bytes=kv_bytes,
-                max_num_seqs=max_num_seqs,
-                seed=seed,
-                max_logprobs=max_logprobs,  # the API refuses more (settings.max_logprobs)
-                disable_log_stats=True,  # our own stat logger below still gets the stats
-            )
+            # The tokenizer is loaded for structured outputs only; prompts stay token ids (vllm_args.py).
+            self._args = AsyncEngineArgs(model=model, skip_tokenizer_init=SKIP_TOKENIZER_INIT, **args)
         except Exception as e:
             raise EngineError(f"bad vLLM engine arguments for {model!r}: {type(e).__name__}: {e}") from e
-        self._stats = _StatsSink()
+        self._stats = StatsSink()
         self._lock = threading.Lock()
         self._inflight: Counter[str] = Counter()
         self._cancelled: set[str] = set()
@@ -194,10 +140,10 @@ class VllmEngine(Engine):
         self._vocab_size = int(mc.get_vocab_size())
         eos: list[int] = []
         try:
-            eos += _as_id_list(mc.try_get_generation_config().get("eos_token_id"))
+            eos += as_id_list(mc.try_get_generation_config().get("eos_token_id"))
         except Exception:  # pragma: no cover - defensive
             log.warning("could not read the generation config of %s", self._model, exc_info=True)
-        eos += _as_id_list(getattr(mc.hf_text_config, "eos_token_id", None))
+        eos += as_id_list(getattr(mc.hf_text_config, "eos_token_id", None))
         self._eos_ids = sorted(set(eos))
         if not self._eos_ids:
             log.warning("model %s declares no eos_token_id; generation stops at max_tokens or stop ids", self._model)
@@ -222,27 +168,7 @@ class VllmEngine(Engine):
     # -- generation ------------------------------------------------------------------
 
     def _sampling_params(self, p: SamplingParams) -> Any:
-        from vllm import SamplingParams as VSamplingParams
-        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-
-        stop = list(dict.fromkeys(list(p.stop_token_ids) + ([] if p.ignore_eos else self._eos_ids)))
-        structured = None
-        if p.structured is not None:
-            structured = StructuredOutputsParams(json=p.structured.json_schema) if p.structured.json_schema is not None \
-                else StructuredOutputsParams(json_object=True)
-        return VSamplingParams(
-            max_tokens=p.max_tokens,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            seed=p.seed,
-            stop_token_ids=stop,
-            ignore_eos=p.ignore_eos,
-            logprobs=p.logprobs,
-            prompt_logprobs=p.prompt_logprobs,
-            structured_outputs=structured,
-            detokenize=False,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        return sampling_params(p, self._eos_ids)
 
     async def _run_one(self, req: EngineRequest, on_tokens: TokenCallback | None) -> EngineOutput:
         from vllm.exceptions import VLLMValidationError
@@ -265,9 +191,9 @@ class VllmEngine(Engine):
             async for out in gen:
                 comp = out.outputs[0]
                 if out.prompt_logprobs and prompt_logprobs is None:
-                    prompt_logprobs = _prompt_positions(req.prompt_token_ids, out.prompt_logprobs)
+                    prompt_logprobs = prompt_positions(req.prompt_token_ids, out.prompt_logprobs)
                 if logprobs is not None and comp.logprobs:
-                    logprobs.extend(_position(pos) for pos in comp.logprobs)
+                    logprobs.extend(position(pos) for pos in comp.logprobs)
                 if comp.token_ids:
                     if first_at is None:
                         first_at = time.time()
@@ -287,6 +213,7 @@ class VllmEngine(Engine):
                     # abort() raced with the request being added; abort it now that it exists.
                     abort_sent = True
                     await self._llm.abort(rid)
+                    ENGINE_ABORTS.inc()
         except VLLMValidationError as e:  # what the request asks, e.g. a schema the grammar backend refuses
             raise EngineBadRequestError(f"request {rid}: {e}", param=e.parameter) from e
         if finish == "error":
@@ -315,11 +242,12 @@ class VllmEngine(Engine):
         if isinstance(exc, (concurrent.futures.CancelledError, asyncio.CancelledError)):
             return EngineDeadError("vLLM engine is shut down")
         cause = exc.__cause__ or exc
-        return EngineError(f"vLLM failed a request: {type(cause).__name__}: {cause}", transient=_is_transient(exc))
+        return EngineError(f"vLLM failed a request: {type(cause).__name__}: {cause}", transient=is_transient(exc))
 
     def _validate(self, r: EngineRequest) -> None:
-        # With skip_tokenizer_init vLLM does not range-check prompt ids: an id outside the
-        # vocabulary kills the engine core (IndexError in the embedding). Check them here.
+        # vLLM range-checks prompt ids against its tokenizer at most (none with
+        # skip_tokenizer_init), and an id outside the model's vocabulary kills the engine
+        # core (IndexError in the embedding). Check them here, whatever vLLM does.
         ids = r.prompt_token_ids
         if not ids:
             raise EngineError(f"request {r.request_id}: the prompt is empty")
@@ -387,6 +315,8 @@ class VllmEngine(Engine):
             await self._llm.abort(ids)
         except Exception:
             log.warning("vLLM abort of %s failed", ids, exc_info=True)
+        else:
+            ENGINE_ABORTS.inc(len(ids))
 
     def stats(self) -> dict[str, float]:
         with self._lock:

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
+
+import redis.exceptions
+from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from llmpipe.messages import ErrorReason, JobResult, JobStatus, PromptResult, Stage, StageError, Usage
 
-log = logging.getLogger("llmpipe.postprocess")
+log = logging.getLogger("llmpipe.collect")
+# The job's one INFO line belongs to the postprocess stage's log (issue 15: counts, never content).
+job_log = logging.getLogger("llmpipe.postprocess")
 _SHORT = {Stage.PREPROCESS: "pre", Stage.INFERENCE: "inf", Stage.POSTPROCESS: "post"}
+_REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
 def collect_job(job_id: str, results: list[dict]) -> JobResult:
@@ -35,10 +43,56 @@ def collect_job(job_id: str, results: list[dict]) -> JobResult:
     return JobResult(job_id=job_id, status=status, results=prompts, usage=usage, error=error)
 
 
+class JobCollector:
+    """The chord callback's work, without Celery: the job record takes the result and its
+    terminal status in one step (the one source of truth; llmpipe/jobs.py), then the job's
+    admission reservation and stage memos are freed.
+
+    A Redis blip must not fail a job whose prompts all succeeded: the record write is
+    retried with backoff for up to ``settle_for_s`` (if Redis stays away, the watchdog
+    adopts the chord's stored result at the deadline), and the clean-ups only log, since
+    the reservation ends at the deadline and the memos expire by themselves.
+    """
+
+    def __init__(self, store: Any, *, release: Callable[[str], Any], forget: Callable[[list[str]], Any],
+                 settle_for_s: float = 10.0, sleep: Callable[[float], None] | None = None):
+        self.store = store
+        self._release = release
+        self._forget = forget
+        self.settle_for_s = settle_for_s
+        self._sleep = sleep
+
+    def collect(self, job_id: str, results: list[dict]) -> JobResult:
+        job = collect_job(job_id, results)
+        self._settle(job)
+        for what, step in (("admission release", lambda: self._release(job_id)),
+                           ("memo clean-up", lambda: self._forget([f"{job_id}-{r.index}" for r in job.results]))):
+            try:
+                step()
+            except Exception as exc:
+                log.warning("job=%s stage=collect %s failed (%s: %s); it expires by itself",
+                            job_id, what, type(exc).__name__, exc)
+        return job
+
+    def _settle(self, job: JobResult) -> None:
+        kwargs = {"sleep": self._sleep} if self._sleep is not None else {}
+        retrying = Retrying(stop=stop_after_delay(self.settle_for_s), wait=wait_exponential(multiplier=0.1, max=2.0),
+                            retry=retry_if_exception_type(_REDIS_ERRORS), reraise=True, **kwargs)
+        try:
+            moved = retrying(self.store.finish, job)
+        except _REDIS_ERRORS as exc:
+            log.error("job=%s stage=collect could not write the job record (%s); the watchdog settles it "
+                      "from the chord result at its deadline", job.job_id, exc)
+            return
+        if not moved:
+            log.info("job=%s stage=collect the job had already ended (cancelled or expired); result not recorded",
+                     job.job_id)
+
+
 def log_job(job: JobResult, e2e_s: float | None = None) -> None:
     """The job's one INFO line: ids, counts and times, never its content. Per stage, the
     slowest prompt's queue wait and run time (seconds)."""
-    if not log.isEnabledFor(logging.INFO):
+    if not job_log.isEnabledFor(logging.INFO):
         return
     stages = []
     for stage in Stage:
@@ -46,7 +100,7 @@ def log_job(job: JobResult, e2e_s: float | None = None) -> None:
         if t:
             stages.append(f"{_SHORT[stage]}={max(x.queue_wait_s for x in t):.3f}/{max(x.run_s for x in t):.3f}")
     batch = max((r.batch_size for r in job.results), default=0)
-    log.info("job=%s stage=postprocess status=%s prompts=%d tokens_in=%d tokens_out=%d batch=%d wait/run_s %s%s%s",
-             job.job_id, job.status.value, len(job.results), job.usage.prompt_tokens, job.usage.completion_tokens, batch,
-             " ".join(stages), "" if e2e_s is None else f" e2e_s={e2e_s:.3f}",
-             f" error={job.error.reason.value}" if job.error else "")
+    job_log.info("job=%s stage=postprocess status=%s prompts=%d tokens_in=%d tokens_out=%d batch=%d wait/run_s %s%s%s",
+                 job.job_id, job.status.value, len(job.results), job.usage.prompt_tokens, job.usage.completion_tokens,
+                 batch, " ".join(stages), "" if e2e_s is None else f" e2e_s={e2e_s:.3f}",
+                 f" error={job.error.reason.value}" if job.error else "")

@@ -8,13 +8,13 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmpipe.batching import Batcher
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest
-from llmpipe.errors import BadRequestError, CancelledError, EngineDeadError, ExpiredError
+from llmpipe.errors import BadRequestError, CancelledError, EngineDeadError, EngineError, ExpiredError
 from llmpipe.isolation import run_isolated
-from llmpipe.messages import ErrorReason, FinishReason, Generation, Stage, StageError, TokenizedRequest
+from llmpipe.messages import ErrorReason, FinishReason, Generation, SamplingParams, Stage, StageError, TokenizedRequest
 from llmpipe.processors.envelope import WallClock, run_stage
 
 log = logging.getLogger("llmpipe.inference")
@@ -22,6 +22,16 @@ log = logging.getLogger("llmpipe.inference")
 # How many of the prompt's last ids postprocess decodes the output after (as vLLM's
 # detokenizer does): enough for a leading space or a character split across tokens.
 PROMPT_TAIL = 8
+
+
+def resumable(params: SamplingParams) -> bool:
+    """Whether a request that runs again can continue exactly from the ids it emitted.
+    Not when it asked for log probabilities: the emitted ids' logprobs (and the prompt's,
+    which would then cover them too) are gone with the attempt that made them. Not with a
+    grammar (response_format): vLLM would start the grammar again at the continuation.
+    Such a request runs again whole; the API refuses to stream logprobs, so only a
+    streamed grammar request can have shown ids, and it fails rather than take them back."""
+    return params.logprobs is None and params.prompt_logprobs is None and params.structured is None
 
 
 @dataclass(frozen=True)
@@ -36,7 +46,17 @@ class InferenceProcessor:
 
     ``publisher`` (a TokenPublisher) receives tokens as the engine makes them;
     ``cancelled_jobs`` answers which of some job ids were cancelled, checked right before
-    a batch reaches the engine; ``cancel(job_id)`` aborts a job's requests in the engine.
+    a batch reaches the engine; ``cancel(job_id)`` aborts a job's requests in the engine;
+    ``published(job_id)`` reads the ids already published for a job's requests.
+
+    Request migration: tokens that were emitted are never taken back, because a streaming
+    client may already show them. A request that runs again (its batch failed after it
+    produced tokens and was split; its message was redelivered after a crash) resumes
+    from the tokens it emitted: the engine gets prompt + those ids and the rest of
+    ``max_tokens``, and the output is those ids + the continuation. So the streamed text
+    is always a prefix of the final text, whatever temperature and however many attempts.
+    A request that cannot resume exactly (:func:`resumable`: logprobs, a grammar) runs
+    again whole instead, and is published only when it streams.
     """
 
     def __init__(
@@ -51,6 +71,7 @@ class InferenceProcessor:
         cancelled_jobs: Callable[[Iterable[str]], set[str]] | None = None,
         retry_attempts: int = 3,
         on_engine_dead: Callable[[BaseException], None] | None = None,
+        published: Callable[[str], dict[int, list[int]]] | None = None,
         clock: WallClock = time.time,
     ):
         self.engine = engine
@@ -61,8 +82,11 @@ class InferenceProcessor:
         self._publisher = publisher
         self._cancelled_jobs = cancelled_jobs
         self._attempts = retry_attempts
+        self._published = published
         self._lock = threading.Lock()
         self._running: dict[str, set[str]] = defaultdict(set)  # job id -> request ids in the engine
+        # request id -> every id emitted for it so far, over all attempts (replaced, never mutated)
+        self._emitted: dict[str, list[int]] = {}
         # A continuous engine takes new requests while a batch runs, so batches are not
         # serialized: arrivals join vLLM's running batch instead of waiting for it to end.
         # Up to max_size batches may be in flight (batches of one at low load), and vLLM's
@@ -76,8 +100,10 @@ class InferenceProcessor:
             on_batch=on_batch,
         )
 
-    def process(self, req: TokenizedRequest) -> Generation:
-        return run_stage(Stage.INFERENCE, req, self._generate, self._failed, self._clock)
+    def process(self, req: TokenizedRequest, resume: bool = False) -> Generation:
+        """``resume``: the message was delivered before (a crash); continue from what the
+        earlier delivery published instead of starting over."""
+        return run_stage(Stage.INFERENCE, req, lambda r: self._generate(r, resume), self._failed, self._clock)
 
     def cancel(self, job_id: str) -> list[str]:
         with self._lock:
@@ -87,10 +113,32 @@ class InferenceProcessor:
             self.engine.abort(ids)
         return ids
 
-    def _generate(self, req: TokenizedRequest) -> Generation:
+    def _prefix(self, req: TokenizedRequest) -> list[int]:
+        if self._published is None:
+            return []
+        try:
+            ids = self._published(req.job_id).get(req.index, [])
+        except Exception as exc:  # without it the request starts over, as before migration
+            log.warning("job=%s index=%d stage=inference could not read its published tokens (%s)",
+                        req.job_id, req.index, exc)
+            return []
+        if ids:
+            log.info("job=%s index=%d stage=inference resumes after %d published tokens", req.job_id, req.index, len(ids))
+        return ids
+
+    def _generate(self, req: TokenizedRequest, resume: bool = False) -> Generation:
         self._check_supported(req)
-        if self._publisher is not None:
-            self._publisher.register(req.request_id, req.job_id, req.index, req.stream, len(req.prompt_token_ids))
+        # A request that cannot resume exactly and does not stream is neither published nor
+        # remembered: whatever happens to an attempt, it runs again whole, and nobody saw
+        # the ids of the attempt that failed (see resumable()).
+        tracked = req.stream or resumable(req.params)
+        prefix = self._prefix(req) if resume and tracked else []
+        if tracked:
+            self._emitted[req.request_id] = prefix
+        if self._publisher is not None and tracked:
+            self._publisher.register(req.request_id, req.job_id, req.index, req.stream, prefix=prefix,
+                                     prompt_tokens=len(req.prompt_token_ids),
+                                     prompt_tail=req.prompt_token_ids[-PROMPT_TAIL:])
         try:
             fut = self.batcher.submit(req)
             try:
@@ -101,6 +149,7 @@ class InferenceProcessor:
         finally:
             if self._publisher is not None:
                 self._publisher.finish(req.request_id)
+            self._emitted.pop(req.request_id, None)
         out = done.output
         if out.finish_reason == FinishReason.CANCELLED:
             raise CancelledError("job cancelled while the engine ran it")
@@ -142,11 +191,10 @@ class InferenceProcessor:
             with self._lock:
                 for _, r in live:
                     self._running[r.job_id].add(r.request_id)
-            on_tokens = self._publisher.on_tokens if self._publisher is not None else None
             t0 = time.monotonic()
             try:
                 outs = run_isolated(
-                    lambda reqs: self.engine.generate(reqs, on_tokens),
+                    self._run_engine,
                     [EngineRequest(r.request_id, r.prompt_token_ids, r.params) for _, r in live],
                     attempts=self._attempts,
                 )
@@ -167,6 +215,54 @@ class InferenceProcessor:
             for (i, _), out in zip(live, outs, strict=True):
                 results[i] = out if isinstance(out, Exception) else _Done(out, len(live), dt)
         return results  # type: ignore[return-value]
+
+    def _run_engine(self, reqs: list[EngineRequest]) -> list[EngineOutput | EngineError]:
+        """One engine attempt; each request resumes from the ids it emitted before."""
+        bases = [self._emitted.get(r.request_id, []) for r in reqs]
+        outs: list[EngineOutput | EngineError | None] = [None] * len(reqs)
+        todo: list[tuple[int, EngineRequest]] = []
+        for i, (r, base) in enumerate(zip(reqs, bases, strict=True)):
+            if base and not resumable(r.params):  # a streamed grammar request whose stream began
+                outs[i] = EngineError(f"the engine failed after {len(base)} tokens were streamed, and a structured "
+                                      "output cannot resume from them; send the request again")
+                continue
+            if base:
+                finished = self._finished_by(r, base)
+                if finished is not None:
+                    stop_token = base[-1] if finished is FinishReason.STOP and base[-1] in r.params.stop_token_ids else None
+                    outs[i] = EngineOutput(r.request_id, list(base), finished, stop_token=stop_token)
+                    continue
+                r = EngineRequest(r.request_id, [*r.prompt_token_ids, *base],
+                                  r.params.model_copy(update={"max_tokens": r.params.max_tokens - len(base)}))
+            todo.append((i, r))
+        if todo:
+            base_of = {r.request_id: bases[i] for i, r in todo}
+            publisher = self._publisher
+
+            def on_tokens(rid: str, ids: list[int]) -> None:
+                base = base_of.get(rid)
+                full = [*base, *ids] if base else ids
+                # Not when its task already gave up on it (deadline), nor when it reruns whole.
+                if rid not in self._emitted:
+                    return
+                self._emitted[rid] = full
+                if publisher is not None:
+                    publisher.on_tokens(rid, full)
+
+            got = self.engine.generate([r for _, r in todo], on_tokens)
+            for (i, _), out in zip(todo, got, strict=True):
+                outs[i] = replace(out, token_ids=[*bases[i], *out.token_ids]) if bases[i] else out
+        return outs  # type: ignore[return-value]
+
+    def _finished_by(self, req: EngineRequest, base: list[int]) -> FinishReason | None:
+        """Whether the ids already emitted complete the request (nothing left to generate)."""
+        limit = self.engine.max_model_len
+        if len(base) >= req.params.max_tokens or (limit and len(req.prompt_token_ids) + len(base) >= limit):
+            return FinishReason.LENGTH
+        stops = set(req.params.stop_token_ids)
+        if not req.params.ignore_eos:
+            stops |= set(getattr(self.engine, "eos_token_ids", ()) or ())
+        return FinishReason.STOP if base[-1] in stops else None
 
     @staticmethod
     def _failed(req: TokenizedRequest, error: StageError) -> Generation:

@@ -99,34 +99,63 @@ def test_api_imports_neither_torch_nor_vllm(redis_url):
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_long_poll_wakes_when_the_result_is_stored_and_leaves_no_subscription(client, redis_client):
+def test_long_poll_wakes_when_the_job_record_ends_and_leaves_no_subscription(client, redis_client, helpers):
     import threading
     import time
 
-    from llmpipe.celery_app import app as celery
+    from llmpipe.jobs import done_channel
 
     job_id = client.post("/v1/jobs", json={"prompt": "x"}).json()["id"]
     out = {}
 
     def poll():
-        t0 = time.monotonic()
         out["view"] = client.get(f"/v1/jobs/{job_id}", params={"wait": 10}).json()
-        out["dt"] = time.monotonic() - t0
+        out["at"] = time.time()
 
     t = threading.Thread(target=poll)
     t.start()
-    # Store the result only once the long-poll is subscribed, so the test checks the wake-up.
-    channel = f"celery-task-meta-{job_id}"
-    end = time.monotonic() + 5
-    while time.monotonic() < end and not dict(redis_client.pubsub_numsub(channel)).get(channel.encode()):
-        time.sleep(0.01)
-    assert dict(redis_client.pubsub_numsub(channel)).get(channel.encode()) == 1
-    result = {"job_id": job_id, "status": "succeeded", "results": [], "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}, "error": None}
-    celery.backend.store_result(job_id, result, "SUCCESS")
+    # End the job only once the long-poll is subscribed, so the test checks the wake-up.
+    assert helpers.wait_for(lambda: helpers.subscribed(redis_client, done_channel(job_id)) == 1)
+    done_at = time.time()
+    helpers.finish_job(redis_client, job_id)
     t.join(10)
-    assert out["view"]["status"] == "succeeded"
-    assert out["dt"] < 5
-    assert [c for c in redis_client.pubsub_channels() if b"job" in c or b"celery" in c] == []
+    assert out["view"]["status"] == "succeeded" and out["view"]["result"]["results"][0]["text"] == "hi"
+    assert out["at"] - done_at < 1.0
+    assert helpers.wait_for(lambda: helpers.subscribed(redis_client, done_channel(job_id)) == 0)
+
+
+def test_an_ended_job_never_changes(client, redis_client, helpers):
+    """The record is the one source of truth: a DELETE after the result changes nothing,
+    and a result after a DELETE is dropped."""
+    done = client.post("/v1/jobs", json={"prompt": "x"}).json()["id"]
+    helpers.finish_job(redis_client, done)
+    assert client.delete(f"/v1/jobs/{done}").json()["status"] == "succeeded"
+    assert client.get(f"/v1/jobs/{done}").json()["result"]["results"][0]["text"] == "hi"
+    assert not redis_client.exists(f"llmpipe:cancelled:{done}")  # nothing told the workers to stop
+
+    gone = client.post("/v1/jobs", json={"prompt": "x"}).json()["id"]
+    assert client.delete(f"/v1/jobs/{gone}").json()["status"] == "cancelled"
+    from llmpipe.jobs import JobStore
+    from llmpipe.messages import JobResult
+
+    late = JobResult.model_validate({"job_id": gone, "status": "succeeded", "results": [], "usage": {}})
+    assert not JobStore(redis_client, 60).finish(late)
+    view = client.get(f"/v1/jobs/{gone}").json()
+    assert view["status"] == "cancelled" and view["result"] is None
+
+
+def test_job_deadline_index_holds_only_unfinished_jobs(client, redis_client, helpers):
+    from llmpipe.jobs import DEADLINE_INDEX, JobStore
+
+    a = client.post("/v1/jobs", json={"prompt": "x"}).json()["id"]
+    b = client.post("/v1/jobs", json={"prompt": "x"}).json()["id"]
+    helpers.finish_job(redis_client, a)
+    client.delete(f"/v1/jobs/{b}")
+    assert redis_client.zcard(DEADLINE_INDEX) == 0
+    # an entry whose record is long gone (no watchdog ran) is trimmed by the next create
+    redis_client.zadd(DEADLINE_INDEX, {"ancient": 1000.0})
+    JobStore(redis_client, 60).create("new", n_prompts=1, deadline=2e9)
+    assert redis_client.zrange(DEADLINE_INDEX, 0, -1) == [b"new"]
 
 
 def test_full_queue_gives_429_with_retry_after_and_the_stage(redis_client, redis_url, tmp_path):
@@ -186,3 +215,33 @@ def test_deadletters_are_listed_and_removed(client, redis_client):
 def test_job_records_are_indexed_for_the_watchdog(client, redis_client):
     job_id = client.post("/v1/jobs", json={"prompt": "x", "timeout": 5}).json()["id"]
     assert redis_client.zscore("llmpipe:job-deadlines", job_id) is not None
+
+
+def _reserved(r) -> tuple[int, int, int, int]:
+    return (int(r.get("llmpipe:admission:tokens") or 0), r.zcard("llmpipe:admission:pending"),
+            r.zcard("llmpipe:admission:jobs"), r.hlen("llmpipe:admission:job_tokens"))
+
+
+def test_a_job_that_cannot_be_enqueued_keeps_no_admission_reservation(client, redis_client, monkeypatch):
+    from types import SimpleNamespace
+
+    import redis
+
+    import api.jobs
+
+    def down(*a, **k):
+        raise redis.exceptions.ConnectionError("blip")
+
+    # the broker publish fails: the job ends failed, its reservation is freed
+    monkeypatch.setattr(api.jobs, "chord", lambda header, body: SimpleNamespace(apply_async=down))
+    r = client.post("/v1/jobs", json={"prompt": "x"})
+    assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable"
+    assert _reserved(redis_client) == (0, 0, 0, 0)
+    [key] = redis_client.keys("llmpipe:job:*")
+    assert redis_client.hget(key, "status") == b"failed"
+    assert int(redis_client.get("llmpipe:admission:drained") or 0) == 0  # not counted as drained
+
+    # the job record cannot be written: nothing stays reserved either
+    monkeypatch.setattr(client.app.state.jobs.store, "create", down)
+    assert client.post("/v1/jobs", json={"prompt": "x"}).status_code == 503
+    assert _reserved(redis_client) == (0, 0, 0, 0)

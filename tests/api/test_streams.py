@@ -3,7 +3,7 @@
 import json
 
 from api.sse import _Choice
-from api.streams import apply_entries
+from llmpipe.streaming import PromptInfo, TokenPublisher, apply_entries
 
 
 def _e(i, off, ids):
@@ -19,10 +19,28 @@ def test_entries_merge_by_offset_and_replays_add_nothing():
     assert have == {0: [1, 2, 3], 1: [9]}
 
 
-class CharDetok:
+def test_streaming_entries_say_the_prompt_length_and_tail(redis_client):
+    """What the usage on every chunk (continuous_usage_stats) and the API's decoding after
+    the prompt need; a request that does not stream publishes ids only."""
+    pub = TokenPublisher(redis_client, flush_s=60, partial_every_s=60)
+    try:
+        pub.register("j-0", "j", 0, True, prefix=[5], prompt_tokens=12, prompt_tail=[7, 8])
+        pub.register("j-1", "j", 1, False, prompt_tokens=3, prompt_tail=[1])
+        pub.on_tokens("j-0", [5, 6])
+        pub.on_tokens("j-1", [4])
+        pub.flush(force=True)
+    finally:
+        pub.close()
+    have: dict[int, list[int]] = {0: [5]}  # the prefix, as an earlier delivery published it
+    prompts: dict[int, PromptInfo] = {}
+    assert apply_entries(redis_client.xrange("llmpipe:tokens:j"), have, prompts) == {0: [6], 1: [4]}
+    assert prompts == {0: PromptInfo(12, [7, 8])}
+
+
+class CharText:
     """Each id is one character: chr(id)."""
 
-    def decode(self, ids):
+    def push(self, ids):
         return "".join(chr(i) for i in ids)
 
 
@@ -31,7 +49,7 @@ def _ids(text):
 
 
 def test_choice_never_sends_half_a_stop_string():
-    c = _Choice(CharDetok(), stops=["END"])
+    c = _Choice(CharText(), stops=["END"])
     sent = c.push(_ids("hello E"))
     assert sent == "hello"  # "E" (and the space before it within the holdback) waits
     sent += c.push(_ids("N"))
@@ -41,7 +59,7 @@ def test_choice_never_sends_half_a_stop_string():
 
 
 def test_choice_rest_completes_from_the_final_text():
-    c = _Choice(CharDetok(), stops=[])
+    c = _Choice(CharText(), stops=[])
     assert c.push(_ids("abc")) == "abc"
     assert c.rest("abcdef") == "def"
     assert c.rest("abcdef") == ""

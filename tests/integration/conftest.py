@@ -8,7 +8,7 @@ import pytest
 from llmpipe.redis_server import free_port
 
 
-def start_pipeline(tmp_path, redis_url, model, engine, **overrides):
+def start_pipeline(tmp_path, redis_url, model, engine, *, flower=True, extra_env=None, **overrides):
     from llmpipe.local import LocalPipeline
     from llmpipe.settings import Settings
 
@@ -17,7 +17,8 @@ def start_pipeline(tmp_path, redis_url, model, engine, **overrides):
         flower_port=free_port(), cpu_workers=1, max_batch_size=16, batch_window_ms=50, kv_cache_gib=1,
         **overrides,
     )
-    p = LocalPipeline(s, flower=True, extra_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}).start()
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(extra_env or {})}
+    p = LocalPipeline(s, flower=flower, extra_env=env).start()
     try:
         p.wait_ready(timeout=240)
     except Exception:
@@ -181,3 +182,22 @@ class PlainCelery:
 def plain_celery():
     """The PlainCelery class (test modules cannot import this conftest)."""
     return PlainCelery
+
+
+# Markers the test-only fault injector reacts to (llmpipe/engines/faulty.py).
+FAULTS = {"poison": "POISONPILL", "fail_after_tokens": {"LATEPOISON": 8}, "ledger": True}
+
+
+@pytest.fixture(scope="module")
+def faulty_pipeline(tmp_path_factory, redis_server, tiny_model):
+    """The transformers engine (one batch at a time) behind the fault injector; otherwise
+    the shipped defaults."""
+    import json
+
+    import redis
+
+    redis.Redis.from_url(redis_server.url).flushdb()
+    p = start_pipeline(tmp_path_factory.mktemp("pipe-faulty"), redis_server.url, tiny_model, "transformers",
+                       flower=False, extra_env={"LLMPIPE_FAULT_INJECT": json.dumps(FAULTS)})
+    yield p
+    p.stop(timeout=30)

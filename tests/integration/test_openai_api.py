@@ -19,7 +19,8 @@ H = {"Authorization": f"Bearer {KEY}"}
 def client(secured_pipeline):
     from openai import OpenAI
 
-    return OpenAI(base_url=f"{secured_pipeline.api_url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    # The client's own defaults (it retries twice): final errors must not become new jobs.
+    return OpenAI(base_url=f"{secured_pipeline.api_url}/v1", api_key=KEY, timeout=60)
 
 
 def test_models_lists_the_served_model(client, secured_pipeline):
@@ -161,6 +162,7 @@ def test_metrics_move_with_traffic(secured_pipeline, client):
 
 
 def test_vllm_bench_serve_runs_against_llmpipe_without_failures(secured_pipeline, tmp_path):
+    import json
     import os
     import subprocess
     import sys
@@ -170,10 +172,12 @@ def test_vllm_bench_serve_runs_against_llmpipe_without_failures(secured_pipeline
            "--base-url", secured_pipeline.api_url, "--model", secured_pipeline.s.model,
            "--tokenizer", secured_pipeline.s.model, "--dataset-name", "random", "--random-input-len", "32",
            "--random-output-len", "8", "--num-prompts", "24", "--max-concurrency", "8", "--ignore-eos",
-           "--disable-tqdm"]
+           "--disable-tqdm", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "bench.json"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
-    assert re.search(r"Successful requests:\s+24", text), text[-3000:]
-    assert re.search(r"Failed requests:\s+0", text) or "Failed requests" not in text, text[-3000:]
+    assert re.search(r"Successful requests:\s+24\b", text), text[-3000:]
+    assert re.search(r"Failed requests:\s+0\b", text), text[-3000:]  # the line must be there
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert (result["completed"], result["failed"]) == (24, 0), [e for e in result.get("errors", []) if e][:3]
     print(text[text.find("============ Serving Benchmark Result"):][:2000])

@@ -142,3 +142,26 @@ def test_failing_company_probe_does_not_stall():
     b = Batcher(lambda items: items, window_s=0.01, max_size=4, company_expected=probe)
     assert b.submit(7).result(5) == 7
     b.stop()
+
+
+def test_submit_never_waits_on_the_company_probe():
+    """The probe is a Redis round trip (LLEN): the batcher must not hold its lock across it."""
+    probing = threading.Event()
+    release = threading.Event()
+
+    def slow_probe():
+        probing.set()
+        release.wait(10)
+        return True
+
+    b = Batcher(lambda items: items, window_s=30.0, max_size=8, company_expected=slow_probe)
+    try:
+        b.submit("first")
+        assert probing.wait(5), "the batcher never probed"
+        done = threading.Event()
+        threading.Thread(target=lambda: (b.submit("second"), done.set()), daemon=True).start()
+        assert done.wait(5), "submit() waited for the probe"
+        assert not release.is_set()  # the probe was still in flight the whole time
+    finally:
+        release.set()
+        b.stop()

@@ -194,6 +194,13 @@ def test_up_serves_then_stops_clean(tmp_path, ups, tiny_model):
     assert "Traceback" not in up.err
 
 
+def _wait_text(read, text: str, up: Up, timeout: float = 30) -> None:
+    end = time.monotonic() + timeout
+    while text not in read():
+        assert time.monotonic() < end and up.proc.poll() is None, f"no {text!r}:\n{up.err[-3000:]}"
+        time.sleep(0.05)
+
+
 def _queued_in(state_dir: Path) -> dict[str, int]:
     """Messages waiting in each stage queue of the stopped pipeline's AOF."""
     with EmbeddedRedis(state_dir / "redis") as server:
@@ -221,9 +228,14 @@ def test_ctrl_c_loses_no_queued_job(tmp_path, ups, tiny_model):
     end = time.monotonic() + 15
     while httpx.get(f"{up.url}/v1/jobs/{long_id}").json()["status"] == "queued" and time.monotonic() < end:
         time.sleep(0.1)
-    up.collect()
+    preprocess = [p for p in up.collect() if "celery" in _cmdline(p) and "preprocess" in _cmdline(p)]
+    assert preprocess, up.err[-3000:]
     up.proc.send_signal(signal.SIGINT)
-    time.sleep(0.5)  # the preprocess worker has had its SIGTERM: it takes no more work
+    # The preprocess worker (stopped first) has exited: jobs sent now can only wait in Redis.
+    end = time.monotonic() + 60
+    while any(alive(p) for p in preprocess):
+        assert time.monotonic() < end, up.err[-3000:]
+        time.sleep(0.05)
     queued = []
     for i in range(5):
         try:
@@ -257,7 +269,7 @@ def test_second_ctrl_c_forces(tmp_path, ups, tiny_model):
         time.sleep(0.1)
     up.collect()
     up.proc.send_signal(signal.SIGINT)
-    time.sleep(0.5)
+    _wait_text(lambda: up.err, "warm shutdown", up)  # the first Ctrl-C has been taken
     t0 = time.monotonic()
     up.proc.send_signal(signal.SIGINT)
     assert up.wait(30) == 130, up.err[-3000:]

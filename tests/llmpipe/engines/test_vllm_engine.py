@@ -81,6 +81,18 @@ def test_stop_token_is_the_stop_reason(vllm_engine, hf_engine):
     assert ref.stop_token is None
 
 
+def test_vllm_gets_ids_and_gives_ids(vllm_engine):
+    """vLLM loads the tokenizer (skip_tokenizer_init=False) for grammars only: a prompt goes
+    in as the ids given, even ones no text would tokenize to, and outputs are not decoded."""
+    from llmpipe.engines.vllm_args import OWNED, SKIP_TOKENIZER_INIT
+
+    assert vllm_engine._args.skip_tokenizer_init is SKIP_TOKENIZER_INIT is False and "skip_tokenizer_init" in OWNED
+    assert vllm_engine._sampling_params(greedy(3)).detokenize is False
+    ids = [262, 262, 262, 4, 3, 262]  # an EOS id in the middle: no tokenizer makes this from text
+    (o,) = vllm_engine.generate([EngineRequest("ids-in", ids, greedy(3, prompt_logprobs=0))])
+    assert [pos[0].id for pos in o.prompt_logprobs] == ids and len(o.token_ids) == 3
+
+
 def test_max_tokens_and_length(vllm_engine):
     out = vllm_engine.generate([EngineRequest("m1", PROMPTS[1], greedy(1)), EngineRequest("m7", PROMPTS[2], greedy(7))])
     assert [len(o.token_ids) for o in out] == [1, 7]

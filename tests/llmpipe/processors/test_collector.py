@@ -48,3 +48,61 @@ def test_one_info_line_per_job_with_counts_and_stage_times_but_no_text(caplog):
     assert line == ("job=j42 stage=postprocess status=succeeded prompts=2 tokens_in=6 tokens_out=2 batch=0 "
                     "wait/run_s pre=0.020/0.002 inf=0.003/1.500 e2e_s=1.750")
     assert "t0" not in line and "t1" not in line  # the prompts' text
+
+
+# -- JobCollector: the job record takes the result; clean-ups never fail the job ------------
+def test_collecting_writes_the_result_to_the_record_even_when_clean_ups_fail(redis_client):
+    import redis
+
+    from llmpipe.jobs import JobStore
+    from llmpipe.processors.collector import JobCollector
+
+    store = JobStore(redis_client, 60)
+    store.create("j", n_prompts=2, deadline=2e9)
+
+    def release(job_id):  # the Redis blip of the issue: release() failed the job
+        raise redis.exceptions.ConnectionError("blip")
+
+    def forget(ids):
+        raise redis.exceptions.TimeoutError("blip")
+
+    job = JobCollector(store, release=release, forget=forget).collect("j", [_res(1), _res(0)])
+    assert job.status == JobStatus.SUCCEEDED
+    rec = store.get("j")
+    assert rec.status == JobStatus.SUCCEEDED and [r.text for r in rec.result.results] == ["t0", "t1"]
+
+
+def test_collecting_retries_the_record_write_through_a_blip(redis_client):
+    import redis
+
+    from llmpipe.jobs import JobStore
+    from llmpipe.processors.collector import JobCollector
+
+    store = JobStore(redis_client, 60)
+    store.create("j", n_prompts=1, deadline=2e9)
+    calls = []
+
+    class Flaky:
+        def finish(self, result):
+            calls.append(1)
+            if len(calls) < 3:
+                raise redis.exceptions.ConnectionError("down")
+            return store.finish(result)
+
+    waits = []
+    JobCollector(Flaky(), release=lambda j: None, forget=lambda ids: None, sleep=waits.append).collect("j", [_res(0)])
+    assert len(calls) == 3 and len(waits) == 2
+    assert store.get("j").status == JobStatus.SUCCEEDED
+
+
+def test_a_failed_prompt_is_recorded_with_its_error_type(redis_client):
+    from llmpipe.jobs import JobStore
+    from llmpipe.processors.collector import JobCollector
+
+    store = JobStore(redis_client, 60)
+    store.create("j", n_prompts=1, deadline=2e9)
+    err = StageError(reason=ErrorReason.ENGINE_ERROR, message="poison", stage="inference")
+    JobCollector(store, release=lambda j: None, forget=lambda ids: None).collect("j", [_res(0, err)])
+    rec = store.get("j")
+    assert rec.status == JobStatus.FAILED
+    assert rec.error["type"] == "engine_error" and rec.error["stage"] == "inference"

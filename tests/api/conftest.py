@@ -1,0 +1,39 @@
+"""Helpers for the API tests (a fixture, since test modules cannot import each other)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+
+def subscribed(r, channel: str) -> int:
+    return dict(r.pubsub_numsub(channel)).get(channel.encode(), 0)
+
+
+def wait_for(pred, timeout: float = 5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+def finish_job(redis_client, job_id: str, *, text: str = "hi", error: dict | None = None) -> None:
+    """What the chord callback does: the record takes the result and its status."""
+    from llmpipe.jobs import JobStore
+    from llmpipe.messages import JobResult
+
+    results = [{"index": 0, "text": text, "finish_reason": "error" if error else "stop",
+                **({"error": error} if error else {})}]
+    result = JobResult.model_validate({
+        "job_id": job_id, "status": "failed" if error else "succeeded", "results": results,
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}, "error": error})
+    assert JobStore(redis_client, 60).finish(result)
+
+
+@pytest.fixture
+def helpers():
+    return SimpleNamespace(subscribed=subscribed, wait_for=wait_for, finish_job=finish_job)
