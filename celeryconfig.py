@@ -13,7 +13,7 @@ broker_url = _s.redis_url
 result_backend = _s.redis_url
 
 # Workers import these; the API never does (it sends tasks by name).
-imports = ("workers.signals", "tasks.preprocess", "tasks.inference", "tasks.postprocess", "tasks.collect")
+imports = ("workers.signals", "tasks.preprocess", "tasks.inference", "tasks.postprocess", "tasks.collect", "tasks.tokenize")
 
 task_queues = (
     Queue("preprocess"),
@@ -26,6 +26,7 @@ task_routes = {
     "llmpipe.inference": {"queue": "inference"},
     "llmpipe.postprocess": {"queue": "postprocess"},
     "llmpipe.collect": {"queue": "collect"},
+    "llmpipe.tokenize": {"queue": "preprocess"},  # POST /tokenize: the stage that tokenizes answers
 }
 task_default_queue = "preprocess"
 
@@ -75,4 +76,8 @@ redis_retry_on_timeout = True
 broker_pool_limit = 32
 
 worker_hijack_root_logger = False
+# What a worker's libraries print (vLLM logs to stdout, progress bars) is logged at INFO, not
+# as WARNING: `llmpipe up` shows workers' warnings, and vLLM's own WARNING lines keep their
+# level in the text (llmpipe/console_filter.py reads it).
+worker_redirect_stdouts_level = "INFO"
 worker_cancel_long_running_tasks_on_connection_loss = False

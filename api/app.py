@@ -20,6 +20,7 @@ from api.result_backend import polling_backend_url
 from api.routes_admin import router as admin_router
 from api.routes_jobs import router as jobs_router
 from api.routes_openai import router as openai_router
+from api.routes_vllm import router as vllm_router
 from api.schemas import ErrorResponse
 from api.security import BodyLimit, require_key
 from api.waiter import JobWaiter
@@ -83,6 +84,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(openai_router(service, waiter, settings, detok), dependencies=auth)
     app.include_router(metrics_router(build_registries(r)), dependencies=auth)
     app.include_router(admin_router(r, settings.deadletter_ttl_s, settings.deadletter_max_entries), dependencies=auth)
+    # vLLM's probes (/health, /ping, /version) need no key, as /healthz; /tokenize and /detokenize do.
+    app.include_router(vllm_router(celery, r, waiter, settings, detok, auth))
 
     @app.get("/healthz", tags=["ops"], responses={503: {"model": ErrorResponse, **errors.ERROR_RESPONSES[503]}})
     def healthz():

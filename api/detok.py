@@ -33,21 +33,39 @@ class Detokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer().decode(ids, skip_special_tokens=True)
 
+    def decode_with_special(self, ids: list[int]) -> str:
+        """Special tokens kept, as vLLM's ``/detokenize`` answers."""
+        return self.tokenizer().decode(ids, skip_special_tokens=False)
+
 
 class IncrementalText:
     """Text deltas from a growing list of token ids, in O(1) per token: the library's own
     streaming decoder (``DecodeStream``) keeps only the last few ids it needs. A token
     that ends inside a UTF-8 sequence gives no text until the next one completes it; what
-    is still held at the end comes with the final text (``_Choice.rest`` in api/sse.py)."""
+    is still held at the end comes with the final text (``_Choice.rest`` in api/sse.py).
 
-    def __init__(self, tokenizer: Tokenizer):
+    ``prefix``: the prompt's last ids, which postprocess decodes the output after
+    (llmpipe/processors/detokenize.py, as vLLM): the streamed text then is the final text's
+    own beginning, a first token's leading space included. ``stop_ids``: ids that end the
+    output without text of their own (vLLM drops a stop token's text), never decoded."""
+
+    def __init__(self, tokenizer: Tokenizer, prefix: list[int] | None = None, stop_ids: set[int] | frozenset = frozenset()):
         self._tok = tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stop_ids = stop_ids
+        self._stream = DecodeStream(ids=list(prefix or []), skip_special_tokens=True)
 
     def push(self, new_ids: list[int]) -> str:
         out = []
         for i in new_ids:
-            piece = self._stream.step(self._tok, i)
+            if i in self._stop_ids:
+                continue
+            try:
+                piece = self._stream.step(self._tok, i)
+            except Exception as exc:  # tokenizers' "Invalid prefix": restart, as vLLM (and postprocess) do
+                if not str(exc).startswith("Invalid prefix"):
+                    raise
+                self._stream = DecodeStream(skip_special_tokens=True)
+                piece = self._stream.step(self._tok, i)
             if piece:
                 out.append(piece)
         return "".join(out)

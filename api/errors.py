@@ -39,9 +39,12 @@ class HttpError:
 
 
 # The first row of a reason is its status wherever the reason is raised; the 413 and 422
-# rows are the HTTP edge's own (body size, body validation).
+# rows are the HTTP edge's own (body size, body validation). A body that fails validation
+# is 422 on the job API and 400 (the first row) on the routes in OPENAI_STYLE_PATHS, as
+# vLLM and OpenAI answer it. Every error body also carries ``code``: its status, as vLLM's.
 ERROR_TABLE: tuple[HttpError, ...] = (
-    HttpError(400, ErrorReason.INVALID_REQUEST, False, "Invalid request"),
+    HttpError(400, ErrorReason.INVALID_REQUEST, False,
+              "Invalid request; on the OpenAI and vLLM routes also a body that failed validation (as vLLM answers)"),
     HttpError(400, ErrorReason.CONTEXT_LENGTH_EXCEEDED, False, "The prompt does not fit the model's context"),
     HttpError(400, ErrorReason.LIMIT_EXCEEDED, False, "A server limit was exceeded; the message names it"),
     HttpError(401, ErrorReason.UNAUTHORIZED, False, "Missing API key"),
@@ -51,13 +54,14 @@ ERROR_TABLE: tuple[HttpError, ...] = (
     HttpError(409, ErrorReason.IDEMPOTENCY_KEY_IN_USE, True,
               "The first request with this Idempotency-Key is still being admitted; retry after Retry-After"),
     HttpError(413, ErrorReason.LIMIT_EXCEEDED, False, "Body too large (max_body_bytes)"),
-    HttpError(422, ErrorReason.INVALID_REQUEST, False, "Body failed validation; the message names the field"),
+    HttpError(422, ErrorReason.INVALID_REQUEST, False, "Body failed validation (job API); the message names the field"),
     HttpError(422, ErrorReason.IDEMPOTENCY_KEY_REUSED, False, "This Idempotency-Key was used with a different body"),
     HttpError(424, ErrorReason.ENGINE_ERROR, False,
               "The engine failed on this request after isolation and retries (dead-lettered); sending it again fails again"),
     HttpError(429, ErrorReason.OVERLOADED, True, "A stage queue is full; retry after Retry-After seconds"),
     HttpError(500, ErrorReason.INTERNAL, False, "Internal error (the job failed in a task, or a bug); dead-lettered"),
-    HttpError(503, ErrorReason.UNAVAILABLE, True, "Redis is unavailable; retry after Retry-After seconds"),
+    HttpError(503, ErrorReason.UNAVAILABLE, True, ("Redis is unavailable, or (vLLM's /health, /tokenize) a stage has no ready worker; "
+                                                     "retry after Retry-After seconds")),
     HttpError(504, ErrorReason.EXPIRED, False,
               "The request's deadline (timeout) passed before it finished; it is final, send a new request to try again"),
 )
@@ -66,6 +70,8 @@ _BY_REASON: dict[ErrorReason, HttpError] = {}
 for _row in ERROR_TABLE:
     _BY_REASON.setdefault(_row.reason, _row)
 VALIDATION = next(r for r in ERROR_TABLE if r.status == 422 and r.reason is ErrorReason.INVALID_REQUEST)
+VALIDATION_OPENAI = next(r for r in ERROR_TABLE if r.status == 400 and r.reason is ErrorReason.INVALID_REQUEST)
+OPENAI_STYLE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
 BODY_TOO_LARGE = next(r for r in ERROR_TABLE if r.status == 413)
 
 
@@ -83,15 +89,17 @@ ERROR_RESPONSES = {status: _describe(status) for status in sorted({r.status for 
 
 def error_json(status: int, reason: ErrorReason, message: str, param: str | None = None,
                headers: dict[str, str] | None = None, *, retry: bool | None = None, **extra) -> JSONResponse:
-    body = {"type": reason.value, "message": message, "param": param, **extra}
+    # "code": the HTTP status, as vLLM's error body carries it.
+    body = {"type": reason.value, "message": message, "param": param, "code": status, **extra}
     if retry is None:
         retry = mapping_for(reason).retry
     return JSONResponse({"error": body}, status_code=status, headers={**(headers or {}), RETRY_HEADER: str(retry).lower()})
 
 
 def error_event(reason: ErrorReason, message: str, param: str | None = None) -> dict:
-    """The same error schema for an SSE stream that fails after it started (status 200 is sent)."""
-    return {"error": {"type": reason.value, "message": message, "param": param}}
+    """The same error schema for an SSE stream that fails after it started (status 200 is
+    sent): ``code`` is the status the error has in the table, as vLLM's stream errors carry."""
+    return {"error": {"type": reason.value, "message": message, "param": param, "code": mapping_for(reason).status}}
 
 
 def status_for(exc: LlmpipeError) -> int:
@@ -118,7 +126,7 @@ def install(app: FastAPI) -> None:
         return error_json(row.status, exc.reason, exc.message, exc.param, headers, **extra)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError):
+    async def _validation(request: Request, exc: RequestValidationError):
         errs = exc.errors()
         parts = []
         param = None
@@ -127,7 +135,8 @@ def install(app: FastAPI) -> None:
             where = ".".join(loc) or "body"
             param = param or where
             parts.append(f"{where}: {e.get('msg')}")
-        return error_json(VALIDATION.status, VALIDATION.reason, "; ".join(parts) or "invalid request", param)
+        row = VALIDATION_OPENAI if request.url.path in OPENAI_STYLE_PATHS else VALIDATION
+        return error_json(row.status, row.reason, "; ".join(parts) or "invalid request", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):

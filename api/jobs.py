@@ -80,7 +80,7 @@ class JobService:
         its waiters (the job is cancelled when every waiter has disconnected)."""
         s = self.settings
         per_input = params if isinstance(params, list) else [params] * len(inputs)
-        texts = [inp["prompt"] if "prompt" in inp else " ".join(m.content for m in inp["messages"]) for inp in inputs]
+        texts = [_input_text(inp) for inp in inputs]
         max_tokens = max(p.max_tokens for p in per_input)
         self.check_limits(texts, len(inputs), max_tokens)
         now = self._clock()
@@ -93,7 +93,8 @@ class JobService:
                 return Submitted(claim.job_id, claim.deadline or deadline, replayed=True)
         admitted = created = False
         try:
-            decision = self.admission.try_admit(job_id, estimate_tokens(texts, max_tokens), deadline)
+            given_ids = sum(len(inp.get("prompt_token_ids") or ()) for inp in inputs)  # token-id prompts: their length
+            decision = self.admission.try_admit(job_id, estimate_tokens(texts, max_tokens) + given_ids, deadline)
             if not decision.admitted:
                 metrics.REJECTED.labels(decision.stage or "unknown").inc()
                 what = "queued prompt tokens" if decision.stage == "tokens" else f"the {decision.stage} queue"
@@ -196,9 +197,18 @@ class JobService:
             log.info("job=%s stage=api cancelled: its client disconnected", job_id)
 
 
+def _input_text(inp: dict[str, Any]) -> str:
+    """The text the limits and the admission estimate look at (a token-id prompt: none)."""
+    if "prompt" in inp:
+        return inp["prompt"]
+    if "messages" in inp:
+        return " ".join(m.content for m in inp["messages"])
+    return ""
+
+
 def _error_from_record(rec: JobRecord) -> ErrorBody | None:
     if not rec.error:
         return None
     t = rec.error.get("type")
     return ErrorBody(type=ErrorReason(t) if t in ErrorReason._value2member_map_ else ErrorReason.INTERNAL,
-                     message=rec.error.get("message", ""), stage=rec.error.get("stage"))
+                     message=rec.error.get("message", ""), stage=rec.error.get("stage"), param=rec.error.get("param"))

@@ -12,8 +12,9 @@ from api.detok import Detokenizer
 from api.disconnect import unless_disconnected
 from api.errors import ERROR_RESPONSES
 from api.jobs import JobService
+from api.openai_features import chat_choice, chat_extras, check_request, completion_choice, echo_text
 from api.openai_schemas import (
-    AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
+    ChatChoice, ChatCompletionRequest, ChatCompletionResponse, CompletionChoice,
     CompletionRequest, CompletionResponse, ModelCard, ModelList, UsageOut,
 )
 from api.request_keys import HEADER, request_key
@@ -39,9 +40,11 @@ def raise_for(view: JobView) -> None:
     raise LlmpipeError(err.message if err else f"job {view.status.value}", reason=reason, param=err.param if err else None)
 
 
-def _usage(view: JobView) -> UsageOut:
+def _usage(view: JobView, n: int = 1) -> UsageOut:
+    # As vLLM and OpenAI count: each prompt once, however many choices (n) it has.
     u = view.result.usage
-    return UsageOut(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, total_tokens=u.total_tokens)
+    prompt = sum(r.prompt_tokens for r in view.result.results if r.index % n == 0) if n > 1 else u.prompt_tokens
+    return UsageOut(prompt_tokens=prompt, completion_tokens=u.completion_tokens, total_tokens=prompt + u.completion_tokens)
 
 
 def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: Detokenizer) -> APIRouter:
@@ -59,7 +62,7 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
             raise BadRequestError(f"n may be at most {settings.max_n} (max_n); got {n}", param="n")
 
     async def run(request, key_header, body, inputs, params_for, n, stream, timeout, build, chunk, first, stops,
-                  include_usage):
+                  include_usage, continuous_usage=False):
         """Submit ``n`` choices per input as one job; answer as JSON or as SSE."""
         key = request_key(key_header, api_key=bearer(request), path=request.url.path, body=body)
         job_inputs = [inp for inp in inputs for _ in range(n)]
@@ -70,12 +73,13 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
         job_id = sub.job_id
         if stream:
             def usage_chunk(view: JobView) -> dict:
-                return {**chunk(job_id, 0, "", None), "choices": [], "usage": _usage(view).model_dump()}
+                return {**chunk(job_id, 0, "", None), "choices": [], "usage": _usage(view, n).model_dump()}
 
             gen = stream_job(
                 job_id=job_id, n_choices=len(job_inputs), stops=stops, service=service, waiter=waiter, aredis=aredis,
                 detok=detok, chunk=lambda i, t, f: chunk(job_id, i, t, f), first=first(job_id),
-                usage_chunk=usage_chunk if include_usage else None, deadline=sub.deadline)
+                usage_chunk=usage_chunk if include_usage else None, deadline=sub.deadline,
+                continuous_usage=include_usage and continuous_usage, stop_ids=body.stop_token_ids)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             if sub.replayed:
                 headers[REPLAYED_HEADER] = "true"
@@ -106,31 +110,37 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
                           idempotency_key: str | None = Header(None, alias=HEADER, description=_KEY_DOC)):
         """OpenAI completions; ``stream: true`` answers with server-sent events."""
         model = check_model(req.model)
-        if req.echo or req.logprobs is not None:
-            raise BadRequestError("echo and logprobs are not supported", param="echo" if req.echo else "logprobs")
-        max_tokens = req.max_tokens or 16
+        check_request(req, settings)
+        max_tokens = 16 if req.max_tokens is None else max(1, req.max_tokens)  # 0: echo only (vLLM)
         limits(req.n)
+        inputs = req.inputs()
+
+        def first(job_id):  # echo: the prompt comes first, as vLLM streams it
+            if not req.echo:
+                return []
+            texts = [echo_text(inp, None if "prompt" in inp else detok.decode_with_special(inp["prompt_token_ids"]))
+                     for inp in inputs]
+            return [chunk(job_id, i, texts[i // req.n], None) for i in range(len(inputs) * req.n)]
 
         def chunk(job_id, i, text, finish):
             return {"id": f"cmpl-{job_id}", "object": "text_completion", "created": int(time.time()), "model": model,
                     "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}]}
 
         def build(job_id, view):
-            return CompletionResponse(id=f"cmpl-{job_id}", model=model, usage=_usage(view), choices=[
-                CompletionChoice(index=r.index, text=r.text, finish_reason=r.finish_reason.value) for r in view.result.results])
+            return CompletionResponse(id=f"cmpl-{job_id}", model=model, usage=_usage(view, req.n), choices=[
+                CompletionChoice(**completion_choice(r, req, inputs[r.index // req.n])) for r in view.result.results])
 
-        return await run(request, idempotency_key, req, [{"prompt": p} for p in req.prompts()],
-                         lambda k: req.sampling(max_tokens, k), req.n,
-                         req.stream, req.timeout, build, chunk, lambda job_id: [], req.stops(),
-                         bool(req.stream_options and req.stream_options.include_usage))
+        return await run(request, idempotency_key, req, inputs, lambda k: req.sampling(max_tokens, k), req.n,
+                         req.stream, req.timeout, build, chunk, first, req.stops(),
+                         bool(req.stream_options and req.stream_options.include_usage),
+                         bool(req.stream_options and req.stream_options.continuous_usage_stats))
 
     @rt.post("/chat/completions", response_model=ChatCompletionResponse, responses=_ERRS)
     async def chat_completions(req: ChatCompletionRequest, request: Request,
                                idempotency_key: str | None = Header(None, alias=HEADER, description=_KEY_DOC)):
         """OpenAI chat completions with the model's chat template; ``stream: true`` answers with SSE."""
         model = check_model(req.model)
-        if req.logprobs:
-            raise BadRequestError("logprobs are not supported", param="logprobs")
+        check_request(req, settings)
         max_tokens = req.max_completion_tokens or req.max_tokens or settings.default_max_tokens
         limits(req.n)
 
@@ -148,14 +158,16 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
             return out
 
         def build(job_id, view):
-            return ChatCompletionResponse(id=f"chatcmpl-{job_id}", model=model, usage=_usage(view), choices=[
-                ChatChoice(index=r.index, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason.value)
-                for r in view.result.results])
+            results = view.result.results
+            return ChatCompletionResponse(id=f"chatcmpl-{job_id}", model=model, usage=_usage(view, req.n),
+                                          choices=[ChatChoice(**chat_choice(r, req)) for r in results],
+                                          **chat_extras(results, req))
 
         messages = [m.to_message() for m in req.messages]
         return await run(request, idempotency_key, req, [{"messages": messages}], lambda k: req.sampling(max_tokens, k),
                          req.n, req.stream,
                          req.timeout, build, chunk, first, req.stops(),
-                         bool(req.stream_options and req.stream_options.include_usage))
+                         bool(req.stream_options and req.stream_options.include_usage),
+                         bool(req.stream_options and req.stream_options.continuous_usage_stats))
 
     return rt

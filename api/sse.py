@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import anyio
 import redis.asyncio as aioredis
@@ -26,7 +26,7 @@ from api.jobs import JobService
 from api.schemas import JobView
 from api.waiter import JobWaiter
 from llmpipe.messages import ErrorReason, JobStatus
-from llmpipe.streaming import apply_entries, stream_key
+from llmpipe.streaming import PromptInfo, apply_entries, stream_key
 
 log = logging.getLogger("llmpipe.api")
 
@@ -75,13 +75,33 @@ class _Choice:
 async def stream_job(
     *, job_id: str, n_choices: int, stops: list[str], service: JobService, waiter: JobWaiter,
     aredis: aioredis.Redis, detok: Detokenizer, chunk: ChunkFn, first: list[dict], usage_chunk: Callable[[JobView], dict] | None,
-    deadline: float,
+    deadline: float, continuous_usage: bool = False, stop_ids: Iterable[int] = (),
 ) -> AsyncIterator[bytes]:
+    """``continuous_usage``: vLLM's ``stream_options.continuous_usage_stats``, every chunk
+    carries the usage so far. ``stop_ids``: the request's stop_token_ids, whose text is
+    not part of the output (as vLLM)."""
     # The first call reads a file: off the event loop, while the stream is already read.
     loading = asyncio.ensure_future(run_in_threadpool(detok.tokenizer))
-    choices: list[_Choice] = []
+    stop_ids = frozenset(stop_ids)
+    choices: dict[int, _Choice] = {}
     ids: dict[int, list[int]] = {}
+    prompts: dict[int, PromptInfo] = {}
     last = "0-0"
+
+    async def choice(i: int) -> _Choice:
+        # Made at its first entry, which says after which prompt ids to decode.
+        if i not in choices:
+            tail = prompts[i].tail if i in prompts else []
+            choices[i] = _Choice(IncrementalText(await loading, tail, stop_ids), stops)
+        return choices[i]
+
+    def with_usage(obj: dict, i: int, prompt: int | None = None, completion: int | None = None) -> dict:
+        if continuous_usage:
+            p = (prompts[i].tokens if i in prompts else 0) if prompt is None else prompt
+            c = len(ids.get(i, [])) if completion is None else completion
+            obj["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return obj
+
     for obj in first:
         yield sse(obj)
     async with waiter.watch(job_id) as woken:
@@ -91,16 +111,13 @@ async def stream_job(
         ended = view.status.terminal
         while True:
             resp = await aredis.xread({stream_key(job_id): last}, count=256, block=None if ended else 50)
-            if resp and not choices:
-                tok = await loading
-                choices = [_Choice(IncrementalText(tok), stops) for _ in range(n_choices)]
             for _, entries in resp or []:
                 last = entries[-1][0]
-                for i, new in apply_entries(entries, ids).items():
+                for i, new in apply_entries(entries, ids, prompts).items():
                     if i < n_choices:
-                        delta = choices[i].push(new)
+                        delta = (await choice(i)).push(new)
                         if delta:
-                            yield sse(chunk(i, delta, None))
+                            yield sse(with_usage(chunk(i, delta, None), i))
             if ended and not resp:
                 break  # every token published before the end has been sent
             if not ended and woken.is_set():
@@ -112,13 +129,11 @@ async def stream_job(
     if not view.status.terminal:  # (an ended record never changes: no need to read it again)
         await run_in_threadpool(service.expire, job_id, "the job did not finish by its deadline")
         view = await run_in_threadpool(service.view, job_id, False)
-    if not choices:
-        choices = [_Choice(IncrementalText(await loading), stops) for _ in range(n_choices)]
     if view.status == JobStatus.SUCCEEDED and view.result is not None:
         for r in view.result.results:
-            c = choices[r.index]
-            tail = c.rest(r.text)
-            yield sse(chunk(r.index, tail, r.finish_reason.value))
+            tail = (await choice(r.index)).rest(r.text)
+            yield sse(with_usage(chunk(r.index, tail, r.finish_reason.value), r.index, r.prompt_tokens,
+                                 r.completion_tokens))
         if usage_chunk is not None:
             yield sse(usage_chunk(view))
     else:

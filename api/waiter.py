@@ -57,9 +57,14 @@ class JobWaiter:
         """Registered watchers (a test checks that none leaks)."""
         return sum(len(evs) for evs in self._watchers.values())
 
+    def watch(self, job_id: str) -> contextlib.AbstractAsyncContextManager[asyncio.Event]:
+        """Woken by every terminal move of the job's record."""
+        return self.watch_channel(done_channel(job_id))
+
     @contextlib.asynccontextmanager
-    async def watch(self, job_id: str) -> AsyncIterator[asyncio.Event]:
-        ch = done_channel(job_id)
+    async def watch_channel(self, ch: str) -> AsyncIterator[asyncio.Event]:
+        """Woken by a PUBLISH on ``ch``: a job's done channel, or the Celery result key of a
+        task the API waits for (``POST /tokenize``, api/routes_vllm.py)."""
         ev = asyncio.Event()
         self._watchers.setdefault(ch, set()).add(ev)
         try:

@@ -1,7 +1,27 @@
 """The Celery app. Importing it loads no task code, no torch and no vLLM: the API uses it
 only to send tasks by name."""
 
+import os
+import warnings
+
 from celery import Celery
+from celery.exceptions import SecurityWarning
+
+from llmpipe.settings import get_settings
+
+
+def root_is_expected(allow_root: bool | None) -> bool:
+    """Whether running as root is on purpose: said so, or inside a container."""
+    if allow_root is not None:
+        return allow_root
+    return os.path.exists("/.dockerenv") or os.path.exists("/run/.containerenv")
+
+
+# Celery's "running the worker with superuser privileges" warning comes at every worker
+# start, before any of our modules run; as root on purpose it is noise. It is a Python
+# warning, so a warnings filter set here (the app loads before the worker) silences it.
+if root_is_expected(get_settings().allow_root):
+    warnings.filterwarnings("ignore", category=SecurityWarning, message=".*superuser privileges")
 
 app = Celery("llmpipe")
 app.config_from_object("celeryconfig")

@@ -54,13 +54,14 @@ def load_settings(**overrides) -> Settings:
 @click.option("--state-dir", type=click.Path(file_okay=False), help="Models, logs and the embedded Redis live here.")
 @click.option("--ready-timeout", type=float, default=600.0, show_default=True, help="Seconds to wait for readiness.")
 @click.option("--quiet", is_flag=True, help="Do not echo the children's logs (they still go to the log files).")
+@click.option("--verbose", is_flag=True, help="Echo every line of the children's logs, not only warnings and errors.")
 @click.option("--engine-arg", "engine_args", multiple=True, metavar="KEY=VALUE",
               help="A vLLM engine argument (AsyncEngineArgs field), e.g. tensor_parallel_size=2; repeatable. "
                    "Wins over the config file's [engine_args] table.")
 @click.option("--print-config", is_flag=True, help="Print the effective settings, the engine arguments and the "
               "platform that chose their defaults, then exit.")
 def up(model, engine, redis_url, cpu_workers, batch_window_ms, max_batch_size, port, flower_port, no_flower,
-       config_file, state_dir, ready_timeout, quiet, engine_args, print_config):
+       config_file, state_dir, ready_timeout, quiet, verbose, engine_args, print_config):
     """Start Redis (if needed), the workers, the API and Flower; Ctrl-C stops them."""
     from llmpipe.engines.vllm_args import EngineArgError, parse_pairs
     from llmpipe.up import run_up
@@ -83,7 +84,7 @@ def up(model, engine, redis_url, cpu_workers, batch_window_ms, max_batch_size, p
             raise click.ClickException(str(exc)) from None
         return
     sys.exit(run_up(s, flower=not no_flower, echo=not quiet, redis_explicit="redis_url" in s.model_fields_set,
-                    ready_timeout=ready_timeout))
+                    ready_timeout=ready_timeout, verbose=verbose))
 
 
 @main.command()

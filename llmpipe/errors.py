@@ -16,7 +16,7 @@ class LlmpipeError(Exception):
             self.reason = reason
 
     def to_stage_error(self, stage: Stage | None = None) -> StageError:
-        return StageError(reason=self.reason, message=self.message, stage=stage)
+        return StageError(reason=self.reason, message=self.message, stage=stage, param=self.param)
 
 
 class BadRequestError(LlmpipeError):
@@ -62,6 +62,17 @@ class EngineError(LlmpipeError):
     def __init__(self, message: str, *, transient: bool = False):
         super().__init__(message)
         self.transient = transient
+
+
+class EngineBadRequestError(EngineError):
+    """The engine refused one request for what it asks (a bad JSON schema, say): the
+    client's fault, so it fails alone and is not retried."""
+
+    reason = ErrorReason.INVALID_REQUEST
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class EngineDeadError(EngineError):

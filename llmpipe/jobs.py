@@ -7,7 +7,7 @@ record per job, a hash at ``llmpipe:job:{id}``:
 ``status``     queued -> running -> one terminal status (succeeded, failed, expired, cancelled)
 ``created_at``, ``updated_at``, ``deadline``  epoch seconds
 ``n_prompts``, ``kind`` ("job" or "openai"), ``meta`` (JSON, optional)
-``error``      JSON ``{"type", "message", "stage"?}`` once the job ended without success
+``error``      JSON ``{"type", "message", "stage"?, "param"?}`` once the job ended without success
 ``result``     JSON ``JobResult``, written by the chord callback (``collect``) with the status
 ``waiters``    HTTP requests waiting on the job (OpenAI endpoints); when the last one goes
                away (client disconnect) the job is cancelled (``abandoned`` = 1)
@@ -161,7 +161,7 @@ class JobStore:
         if error is not None:
             error["type"] = error.pop("reason")
         return self.transition(result.job_id, result.status, error, now=now,
-                               result=result.model_dump_json())
+                               result=result.model_dump_json(exclude_none=True))
 
     def stop(self, job_id: str, status: JobStatus, error: dict, now: float | None = None) -> bool:
         """Settle a job that must not run any more (DELETE, deadline): the workers see the

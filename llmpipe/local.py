@@ -7,6 +7,7 @@ same real processes.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import signal
@@ -70,13 +71,14 @@ def flower_argv(s: Settings, *, port: int | None = None, address: str = "127.0.0
 class LocalPipeline:
     def __init__(self, settings: Settings, *, kinds: tuple[str, ...] = WORKER_KINDS, api: bool = True,
                  flower: bool = False, echo: bool = False, console: Console | None = None,
-                 extra_env: dict[str, str] | None = None, log_dir: Path | None = None):
+                 extra_env: dict[str, str] | None = None, log_dir: Path | None = None, echo_level: int = logging.DEBUG):
         self.s = settings
         self.kinds = kinds
         self.api = api
         self.flower = flower
         self.console = console or Console(stderr=True, highlight=False)
-        self.sup = Supervisor(log_dir or settings.state_dir / "logs", console=self.console, echo=echo)
+        self.sup = Supervisor(log_dir or settings.state_dir / "logs", console=self.console, echo=echo,
+                              echo_level=echo_level)
         # Every process writes its metrics here; the API's /metrics aggregates them.
         self.metrics_dir = Path(settings.state_dir) / "metrics" / str(settings.api_port)
         shutil.rmtree(self.metrics_dir, ignore_errors=True)

@@ -74,6 +74,15 @@ class StageError(_Msg):
     reason: ErrorReason
     message: str
     stage: Stage | None = None
+    param: str | None = None  # the request field at fault, when one is
+
+
+class StructuredOutput(_Msg):
+    """Constrain the output to JSON (OpenAI's ``response_format``), through vLLM's
+    structured outputs: any JSON object, or one that follows ``json_schema``."""
+
+    json_object: bool = False
+    json_schema: dict | None = None
 
 
 class SamplingParams(_Msg):
@@ -85,6 +94,26 @@ class SamplingParams(_Msg):
     # Stop strings need text, so postprocess applies them after detokenizing.
     stop: list[str] = Field(default_factory=list, max_length=16)
     ignore_eos: bool = False
+    # Log probabilities, as vLLM's SamplingParams: the sampled token's plus this many
+    # top ones per generated token (0: the sampled token's only; -1: the whole vocabulary);
+    # per prompt token too.
+    logprobs: int | None = Field(default=None, ge=-1)
+    prompt_logprobs: int | None = Field(default=None, ge=-1)
+    # Return the prompt's token ids and text with the result (OpenAI's ``echo``).
+    echo: bool = False
+    structured: StructuredOutput | None = None
+
+
+class Logprob(_Msg):
+    """One token's log probability at one position. A position is a list of these: the
+    sampled (or prompt) token first, then the top ones not already listed, by rank, as
+    vLLM orders them. ``logprob`` is None only for the first prompt token, which nothing
+    precedes. ``token`` is the token's text, filled in by postprocess."""
+
+    id: int
+    logprob: float | None = None
+    rank: int | None = None
+    token: str | None = None
 
 
 class ChatMessage(_Msg):
@@ -126,16 +155,18 @@ class _Envelope(_Msg):
 
 
 class PromptRequest(_Envelope):
-    """API -> preprocess: one prompt of a job, before tokenization."""
+    """API -> preprocess: one prompt of a job, before tokenization (or already as token
+    ids, which preprocess only validates)."""
 
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    prompt_token_ids: list[int] | None = None
     params: SamplingParams
 
     @model_validator(mode="after")
     def _one_input(self) -> PromptRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("exactly one of prompt or messages is required")
+        if sum(x is not None for x in (self.prompt, self.messages, self.prompt_token_ids)) != 1:
+            raise ValueError("exactly one of prompt, messages or prompt_token_ids is required")
         return self
 
 
@@ -156,6 +187,15 @@ class Generation(_Envelope):
     engine_time_s: float = 0.0
     first_token_at: float | None = None
     stop: list[str] = Field(default_factory=list)  # stop strings, applied in postprocess
+    # The engine's stop token id (None: EOS, or not stopped by a token), as vLLM's stop_reason.
+    stop_token: int | None = None
+    # The prompt's last few ids: postprocess decodes the output after them, as vLLM does
+    # (a first token's leading space depends on what precedes it).
+    prompt_tail: list[int] = Field(default_factory=list)
+    # Only when the request asked: the whole prompt (echo) and the log probabilities.
+    prompt_token_ids: list[int] | None = None
+    logprobs: list[list[Logprob]] | None = None
+    prompt_logprobs: list[list[Logprob]] | None = None
 
 
 class StageTimingSummary(_Msg):
@@ -176,6 +216,14 @@ class PromptResult(_Msg):
     batch_size: int = 0
     engine_time_s: float = 0.0
     error: StageError | None = None
+    # vLLM's stop_reason: the stop string or stop token id that ended the output (None: EOS).
+    stop_reason: int | str | None = None
+    # Only when the request asked: echo (the prompt's ids and text) and log probabilities
+    # with each token's text.
+    prompt_token_ids: list[int] | None = None
+    prompt_text: str | None = None
+    logprobs: list[list[Logprob]] | None = None
+    prompt_logprobs: list[list[Logprob]] | None = None
 
 
 class Usage(_Msg):

@@ -78,6 +78,9 @@ class Settings(BaseSettings):
     enforce_eager: bool | None = None
     gpu_memory_utilization: float | None = None
     max_num_seqs: int | None = None  # vLLM's running set (continuous batching); not the dispatch batch
+    # The most log probabilities a request may ask per token (vLLM's --max-logprobs; an
+    # engine argument max_logprobs folds into it, so the API and vLLM agree).
+    max_logprobs: int = 20
     # Other vLLM AsyncEngineArgs, passed through (`--engine-arg KEY=VALUE`, `[engine_args]` in
     # the config file); checked against vLLM's fields (llmpipe/engines/vllm_args.py). Those
     # that are settings above fold into them.
@@ -135,6 +138,13 @@ class Settings(BaseSettings):
     watchdog_grace_s: float = 5.0  # how long after its deadline an unfinished job is settled
     # Task events feed Flower; off, Flower shows nothing but each task costs less CPU and Redis.
     task_events: bool = True
+
+    # Logs (docs/architecture.md, "Logs"). No prompt or generated content is logged unless
+    # this is on (debugging only): then Celery's task lines carry their return values.
+    log_content: bool = False
+    # Celery warns at each worker start when it runs as root. None: silenced in a container
+    # (/.dockerenv or /run/.containerenv), where root is the norm; true/false: always/never.
+    allow_root: bool | None = None
 
     @model_validator(mode="before")
     @classmethod

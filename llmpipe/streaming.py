@@ -7,12 +7,16 @@ others every ``partial_every_s``, which is enough for ``GET /v1/jobs/{id}`` to s
 text produced so far.
 
 Entry fields: ``i`` prompt index, ``o`` offset of the first id in ``d``, ``d`` the new
-token ids as JSON. Offsets make a replayed entry idempotent to readers.
+token ids as JSON. Streaming requests' entries also carry ``p``, the prompt's length in
+tokens (the usage on every chunk), and ``t``, the prompt's last ids as JSON (the API decodes
+after them, as postprocess does). Offsets make a replayed entry idempotent to readers.
 
 What is published is never taken back: a request that is run again (a batch split after an
 engine error, a message redelivered after a crash) resumes from the ids already published
 for it (``register(prefix=...)``, :func:`read_published`), so the stream always stays a
-prefix of the final output (llmpipe/processors/inference_processor.py).
+prefix of the final output (llmpipe/processors/inference_processor.py). A request that
+cannot resume exactly (it asked for log probabilities or a grammar) is not published
+unless it streams (llmpipe/processors/inference_processor.py says why).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ class _Tracked:
     job_id: str
     index: int
     stream: bool
+    prompt_tokens: int | None = None
+    prompt_tail: list[int] | None = None
     ids: list[int] = field(default_factory=list)
     published: int = 0
     last_flush: float = 0.0
@@ -57,12 +63,14 @@ class TokenPublisher:
         self._thread = threading.Thread(target=self._loop, name="llmpipe-token-publisher", daemon=True)
         self._thread.start()
 
-    def register(self, request_id: str, job_id: str, index: int, stream: bool, prefix: list[int] | None = None) -> None:
-        """``prefix``: ids already published for this request (by an earlier delivery)."""
+    def register(self, request_id: str, job_id: str, index: int, stream: bool, prefix: list[int] | None = None, *,
+                 prompt_tokens: int | None = None, prompt_tail: list[int] | None = None) -> None:
+        """``prefix``: ids already published for this request (by an earlier delivery).
+        ``prompt_tokens``, ``prompt_tail``: what a streaming request's entries carry."""
         prefix = list(prefix or [])
         with self._lock:
-            self._tracked[request_id] = _Tracked(job_id, index, stream, ids=prefix, published=len(prefix),
-                                                 last_flush=self._clock())
+            self._tracked[request_id] = _Tracked(job_id, index, stream, prompt_tokens, prompt_tail, ids=prefix,
+                                                 published=len(prefix), last_flush=self._clock())
 
     def on_tokens(self, request_id: str, ids_so_far: list[int]) -> None:
         t = self._tracked.get(request_id)
@@ -86,7 +94,12 @@ class TokenPublisher:
             for rid, t in list(self._tracked.items()):
                 due = force or t.done or now - t.last_flush >= (self.flush_s if t.stream else self.partial_every_s)
                 if due and len(t.ids) > t.published:
-                    entries.append((t.job_id, {"i": t.index, "o": t.published, "d": json.dumps(t.ids[t.published:])}))
+                    fields = {"i": t.index, "o": t.published, "d": json.dumps(t.ids[t.published:])}
+                    if t.stream and t.prompt_tokens is not None:
+                        fields["p"] = t.prompt_tokens
+                    if t.stream and t.prompt_tail is not None:
+                        fields["t"] = json.dumps(t.prompt_tail)
+                    entries.append((t.job_id, fields))
                     t.published = len(t.ids)
                     t.last_flush = now
                 if t.done:
@@ -114,14 +127,26 @@ class TokenPublisher:
         self.flush(force=True)
 
 
-def apply_entries(entries: list[tuple[Any, dict]], ids_by_index: dict[int, list[int]]) -> dict[int, list[int]]:
+@dataclass
+class PromptInfo:
+    """What a streaming request's entries say about its prompt."""
+
+    tokens: int = 0
+    tail: list[int] = field(default_factory=list)
+
+
+def apply_entries(entries: list[tuple[Any, dict]], ids_by_index: dict[int, list[int]],
+                  prompts: dict[int, PromptInfo] | None = None) -> dict[int, list[int]]:
     """Merge stream entries into ``ids_by_index``; returns the ids new to each index.
+    ``prompts`` (optional) collects each index's prompt length and tail, when entries carry them.
 
     Entries carry their offset, so a replayed entry adds nothing."""
     new: dict[int, list[int]] = {}
     for _, fields in entries:
         f = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in fields.items()}
         i, off, delta = int(f["i"]), int(f["o"]), json.loads(f["d"])
+        if prompts is not None and i not in prompts and "p" in f:
+            prompts[i] = PromptInfo(int(f["p"]), json.loads(f["t"]) if "t" in f else [])
         have = ids_by_index.setdefault(i, [])
         if off > len(have):
             continue  # a gap: wait for the entry that fills it

@@ -10,6 +10,7 @@ SIGTERM to the children should the supervisor itself die (even by SIGKILL).
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import subprocess
@@ -21,6 +22,8 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.text import Text
+
+from llmpipe.console_filter import LevelFilter
 
 _COLORS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta"]
 _PR_SET_PDEATHSIG = 1
@@ -74,11 +77,13 @@ class Child:
 
 
 class Supervisor:
-    def __init__(self, log_dir: Path, console: Console | None = None, echo: bool = True, width: int = 12):
+    def __init__(self, log_dir: Path, console: Console | None = None, echo: bool = True, width: int = 12,
+                 echo_level: int = logging.DEBUG):
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.console = console or Console(stderr=True, highlight=False)
         self.echo = echo
+        self.echo_level = echo_level  # the console shows a child's lines from this level up
         self.width = width
         self.children: list[Child] = []
         self._threads: list[threading.Thread] = []
@@ -113,6 +118,7 @@ class Supervisor:
         never stops reading before the child closes its output, so a child never blocks
         on a full pipe."""
         assert child.proc and child.proc.stdout
+        levels = LevelFilter(self.echo_level)
         with child.log_path.open("a", buffering=1) as log:
             for line in child.proc.stdout:
                 line = line.rstrip("\n")
@@ -121,7 +127,7 @@ class Supervisor:
                 except OSError:
                     pass
                 child.tail = (child.tail + [line])[-40:]
-                if self.echo:
+                if self.echo and levels.show(line):
                     try:
                         self.console.print(Text.assemble((f"{child.name:<{self.width}}| ", child.color), line),
                                            soft_wrap=True, highlight=False)

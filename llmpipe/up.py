@@ -9,6 +9,7 @@ Ctrl-C forces it. Every way out stops every child and the embedded Redis.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shutil
@@ -62,7 +63,7 @@ def check_model_path(path: str) -> None:
 
 
 def run_up(s: Settings, *, flower: bool = True, echo: bool = True, redis_explicit: bool = False,
-           ready_timeout: float = 600.0, stop_timeout: float = 120.0) -> int:
+           ready_timeout: float = 600.0, stop_timeout: float = 120.0, verbose: bool = False) -> int:
     from llmpipe.models.registry import resolve_model
 
     console = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
@@ -100,7 +101,9 @@ def run_up(s: Settings, *, flower: bool = True, echo: bool = True, redis_explici
         embedded, s = _redis(s, configured, console)
         if flower and not s.flower_password:
             s = s.model_copy(update={"flower_password": secrets.token_urlsafe(12)})
-        pipeline = LocalPipeline(s, flower=flower, echo=echo, console=console, extra_env=child_env(s))
+        # The console: our own lines and the children's warnings and errors; --verbose: everything.
+        pipeline = LocalPipeline(s, flower=flower, echo=echo, console=console, extra_env=child_env(s),
+                                 echo_level=logging.DEBUG if verbose else logging.WARNING)
         pipeline.start()
         with console.status("starting") as status:
             ready = pipeline.wait_ready(ready_timeout, status=status, stop_event=stopping)

@@ -3,7 +3,7 @@ import time
 from llmpipe import metrics
 from llmpipe.admission import release
 from llmpipe.celery_app import app
-from llmpipe.processors.collector import JobCollector
+from llmpipe.processors.collector import JobCollector, log_job
 from workers.context import context
 
 
@@ -14,7 +14,9 @@ def collect(results: list[dict], job_id: str, submitted_at: float | None = None)
     watchdog reads that, when the record write failed."""
     ctx = context()
     job = JobCollector(ctx.jobs, release=lambda j: release(ctx.redis, j), forget=ctx.memo.forget).collect(job_id, results)
-    if submitted_at is not None:
-        metrics.E2E.observe(max(0.0, time.time() - submitted_at))
+    e2e = max(0.0, time.time() - submitted_at) if submitted_at is not None else None
+    if e2e is not None:
+        metrics.E2E.observe(e2e)
+    log_job(job, e2e)
     metrics.FINISHED.labels(job.status.value).inc()
-    return job.model_dump(mode="json")
+    return job.model_dump(mode="json", exclude_none=True)  # absent fields (logprobs, echo...) stay out

@@ -30,7 +30,7 @@ def _infer(req: TokenizedRequest) -> dict:
             context().deadletters.record(stage=Stage.INFERENCE.value, reason=out.error.reason.value,
                                          message=out.error.message, job_id=req.job_id, request_id=req.request_id,
                                          prompt_tokens=len(req.prompt_token_ids))
-    return out.model_dump(mode="json")
+    return out.model_dump(mode="json", exclude_none=True)  # absent fields (logprobs, echo...) stay out
 
 
 def _over_limit(req: TokenizedRequest, deliveries: int) -> dict:
@@ -42,4 +42,4 @@ def _over_limit(req: TokenizedRequest, deliveries: int) -> dict:
     context().deadletters.record(stage=Stage.INFERENCE.value, reason="max_deliveries", message=message,
                                  job_id=req.job_id, request_id=req.request_id, deliveries=deliveries)
     err = StageError(reason=ErrorReason.ENGINE_ERROR, message=message, stage=Stage.INFERENCE)
-    return InferenceProcessor._failed(req, err).model_copy(update={"timings": req.timings}).model_dump(mode="json")
+    return InferenceProcessor._failed(req, err).model_copy(update={"timings": req.timings}).model_dump(mode="json", exclude_none=True)

@@ -18,4 +18,4 @@ def _post(gen: Generation) -> dict:
     metrics.observe_stage_times(Stage.POSTPROCESS.value, t.queue_wait_s, t.run_s)
     if gen.first_token_at is not None and gen.timings:
         metrics.TTFT.observe(max(0.0, gen.first_token_at - gen.timings[0].enqueued_at))
-    return result.model_dump(mode="json")
+    return result.model_dump(mode="json", exclude_none=True)  # absent fields (logprobs, echo...) stay out

@@ -17,4 +17,4 @@ def preprocess(msg: dict) -> dict:
     out = ctx.input_processor.process(req)
     metrics.observe_stage(out.timings[-1])
     metrics.observe_error(out.error and out.error.reason.value, Stage.PREPROCESS.value)
-    return out.model_dump(mode="json")
+    return out.model_dump(mode="json", exclude_none=True)  # absent fields (logprobs, echo...) stay out

@@ -74,8 +74,9 @@ class WorkerContext:
     @cached_property
     def input_processor(self):
         from llmpipe.processors.input_processor import InputProcessor
+        from llmpipe.processors.tokenizer import model_vocab_size
 
-        return InputProcessor(self.tokenizer_owner.get(), self.context_len)
+        return InputProcessor(self.tokenizer_owner.get(), self.context_len, vocab_size=model_vocab_size(self.model_path))
 
     @cached_property
     def output_processor(self):

@@ -10,12 +10,16 @@ import sys
 
 from celery.signals import task_failure, worker_init, worker_process_shutdown, worker_ready, worker_shutdown
 
+from workers import task_logging
 from workers.context import context
 from workers.pool_policy import serves  # its worker_init (pool, kind) runs before the ones below
 
 log = logging.getLogger("llmpipe.worker")
 
 EXIT_CANNOT_WARM = 3
+
+
+task_logging.install(context().settings.log_content)
 
 
 def one_line(exc: BaseException, limit: int = 400) -> str:
@@ -59,6 +63,27 @@ def _warm(sender=None, **_):
         except Exception as exc:  # a worker without an engine must not take traffic
             _cannot_warm(f"engine {s.engine.value}", exc)
         log.info("engine ready")
+
+
+_beacon = None
+
+
+@worker_ready.connect
+def _announce_ready(sender=None, **_):
+    # After _warm (connected first, so it runs first): the API's GET /health answers 200
+    # once every stage has a ready worker (llmpipe/readiness.py).
+    global _beacon
+    from llmpipe.readiness import STAGES, ReadinessBeacon
+
+    stages = [s for s in STAGES if serves(s)]
+    node = getattr(sender, "hostname", None) or f"pid{os.getpid()}"
+    _beacon = ReadinessBeacon(context().redis, stages, node).start()
+
+
+@worker_shutdown.connect
+def _withdraw_ready(**_):
+    if _beacon is not None:
+        _beacon.stop()
 
 
 @worker_shutdown.connect

@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from llmpipe.messages import FinishReason, SamplingParams
+from llmpipe.messages import FinishReason, Logprob, SamplingParams
 
 # Called from the engine with (request_id, all output token ids so far) as tokens arrive.
 TokenCallback = Callable[[str, list[int]], None]
@@ -26,6 +26,11 @@ class EngineOutput:
     finish_reason: FinishReason
     first_token_at: float | None = None  # epoch seconds, when the engine knows it
     extra: dict = field(default_factory=dict)
+    # When the request asked (params.logprobs / params.prompt_logprobs): one list per
+    # position, as llmpipe.messages.Logprob describes; prompt positions start at the first token.
+    logprobs: list[list[Logprob]] | None = None
+    prompt_logprobs: list[list[Logprob]] | None = None
+    stop_token: int | None = None  # the stop_token_ids id that ended it (not EOS)
 
 
 class Engine(ABC):
@@ -38,6 +43,9 @@ class Engine(ABC):
 
     name: str = "engine"
     continuous: bool = False
+    # What the engine can do beyond plain sampling; a request asking for more is refused.
+    supports_logprobs: bool = False
+    supports_structured_outputs: bool = False
 
     @abstractmethod
     def generate(self, batch: list[EngineRequest], on_tokens: TokenCallback | None = None) -> list[EngineOutput]:

@@ -102,6 +102,8 @@ class FaultInjectingEngine(Engine):
         self._lock = threading.Lock()
         self.name = f"faulty-{inner.name}"
         self.continuous = inner.continuous
+        self.supports_logprobs = inner.supports_logprobs
+        self.supports_structured_outputs = inner.supports_structured_outputs
         log.warning("FAULT INJECTION is on (%s=%s): this engine fails on purpose", ENV, spec)
 
     @property

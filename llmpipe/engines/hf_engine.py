@@ -15,6 +15,10 @@ A request with a ``seed`` draws from its own ``torch.Generator`` seeded with it,
 reproducible with this engine whatever else is in the batch; the draws are NOT the same as
 vLLM's for the same seed. Unseeded requests share one generator seeded at start-up.
 
+Log probabilities, as vLLM computes them by default (``raw_logprobs``): the log-softmax of
+the model's logits before temperature and top-p, with the sampled token's rank and the top
+``logprobs`` tokens; prompt logprobs from a prefill that keeps every position's logits.
+
 Like vLLM: generation stops at an EOS id of the model (generation_config.json, then
 config.json) unless ``ignore_eos``, or at a ``stop_token_ids`` id; the stop token is part
 of the output. Output is capped so that prompt + output <= ``max_model_len``; a prompt
@@ -30,7 +34,7 @@ from typing import Any
 
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
 from llmpipe.errors import EngineDeadError, EngineError
-from llmpipe.messages import FinishReason
+from llmpipe.messages import FinishReason, Logprob
 from llmpipe.metrics import ENGINE_ABORTS
 
 log = logging.getLogger(__name__)
@@ -75,6 +79,7 @@ def _load(torch: Any, auto: Any, model: str, dtype: Any, device: str, seed: int)
 class TransformersEngine(Engine):
     name = "transformers"
     continuous = False
+    supports_logprobs = True
 
     def __init__(
         self,
@@ -198,12 +203,23 @@ class TransformersEngine(Engine):
         reasons: list[FinishReason | None] = [None] * b
         first_at: list[float | None] = [None] * b
 
+        want_lp = [r.params.logprobs is not None for r in batch]
+        logprobs: list[list[list[Logprob]] | None] = [[] if w else None for w in want_lp]
+        prompt_lp: list[list[list[Logprob]] | None] = [None] * b
+        keep_all = any(r.params.prompt_logprobs is not None for r in batch)
+
         with torch.inference_mode():
-            out = self._model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True, logits_to_keep=1)
+            out = self._model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True,
+                              logits_to_keep=0 if keep_all else 1)
             past = out.past_key_values
+            if keep_all:
+                for i, r in enumerate(batch):
+                    if r.params.prompt_logprobs is not None:
+                        prompt_lp[i] = self._prompt_logprobs(out.logits[i], r.prompt_token_ids, width, r.params.prompt_logprobs)
             logits = out.logits[:, -1, :]
             for _ in range(max(limits)):
                 chosen = self._choose(logits, batch, gens, reasons)
+                lps = torch.log_softmax(logits.float(), dim=-1) if any(want_lp) else None
                 now = time.time()
                 for i, r in enumerate(batch):
                     if reasons[i] is not None:
@@ -214,6 +230,8 @@ class TransformersEngine(Engine):
                         continue
                     tok = chosen[i]
                     tokens[i].append(tok)
+                    if want_lp[i]:
+                        logprobs[i].append(_position(lps[i], tok, r.params.logprobs))
                     if first_at[i] is None:
                         first_at[i] = now
                     if tok in stops[i]:
@@ -236,9 +254,18 @@ class TransformersEngine(Engine):
                 past = out.past_key_values
                 logits = out.logits[:, -1, :]
         return [
-            EngineOutput(r.request_id, tokens[i], reasons[i] or FinishReason.LENGTH, first_token_at=first_at[i])
+            EngineOutput(r.request_id, tokens[i], reasons[i] or FinishReason.LENGTH, first_token_at=first_at[i],
+                         logprobs=logprobs[i], prompt_logprobs=prompt_lp[i],
+                         stop_token=tokens[i][-1] if reasons[i] is FinishReason.STOP and tokens[i]
+                         and tokens[i][-1] in r.params.stop_token_ids else None)
             for i, r in enumerate(batch)
         ]
+
+    def _prompt_logprobs(self, logits: Any, ids: list[int], width: int, k: int) -> list[list[Logprob]]:
+        """Logprobs of each prompt token given those before it; the first has none."""
+        n = len(ids)
+        lps = self._torch.log_softmax(logits[width - n : width - 1].float(), dim=-1)
+        return [[Logprob(id=ids[0])]] + [_position(lps[j - 1], ids[j], k) for j in range(1, n)]
 
     def _choose(self, logits: Any, batch: list[EngineRequest], gens: list[Any], reasons: list[Any]) -> list[int]:
         torch = self._torch
@@ -256,3 +283,18 @@ class TransformersEngine(Engine):
                 probs = torch.zeros_like(probs).scatter_(0, idx, sorted_probs)
             chosen[i] = int(torch.multinomial(probs, 1, generator=gens[i]).item())
         return chosen
+
+
+def _position(lps: Any, token: int, k: int) -> list[Logprob]:
+    """One position as vLLM lists it: ``token`` with its rank (how many tokens are at least
+    as likely), then the top ``k`` not already listed. -inf is written as -9999.0, as vLLM does."""
+    lp = float(lps[token])
+    out = [Logprob(id=token, logprob=max(lp, -9999.0), rank=int((lps >= lps[token]).sum()))]
+    if k == -1:
+        k = lps.numel()
+    if k > 0:
+        values, idx = lps.topk(k)
+        for rank, (t, v) in enumerate(zip(idx.tolist(), values.tolist(), strict=True), start=1):
+            if t != token:
+                out.append(Logprob(id=t, logprob=max(v, -9999.0), rank=rank))
+    return out

@@ -84,7 +84,7 @@ def engine_config(s: Settings, platform: Platform | None = None, *, vllm_fields:
     Raises EngineArgError for an engine argument vLLM does not have, one of the pipeline's
     own, or a value of the wrong type. ``vllm_fields`` (name -> type) stands in for
     vLLM's AsyncEngineArgs in unit tests."""
-    from llmpipe.engines.vllm_args import EngineArgError, convert_engine_args
+    from llmpipe.engines.vllm_args import SKIP_TOKENIZER_INIT, EngineArgError, convert_engine_args
 
     if platform is None:
         platform = detect_platform()
@@ -100,9 +100,11 @@ def engine_config(s: Settings, platform: Platform | None = None, *, vllm_fields:
         _pick(cfg, "max_num_seqs", s.max_num_seqs, seqs)
         if "max_num_seqs" not in cfg.args:
             cfg.sources["max_num_seqs"] = f"vLLM's own default (on {cfg.platform.value})"
+        # The API refuses logprobs requests over this; vLLM must allow as many.
+        cfg.args["max_logprobs"], cfg.sources["max_logprobs"] = s.max_logprobs, SETTING
         for k, v in convert_engine_args(s.engine_args, vllm_fields).items():
             cfg.args[k], cfg.sources[k] = v, ENGINE_ARG
-        cfg.fixed = {"model": s.model, "skip_tokenizer_init": True}
+        cfg.fixed = {"model": s.model, "skip_tokenizer_init": SKIP_TOKENIZER_INIT}
         return cfg
     if s.engine_args:
         raise EngineArgError(f"engine arguments ({', '.join(sorted(s.engine_args))}) are vLLM's; "
@@ -127,8 +129,10 @@ def check_engine_args(s: Settings) -> None:
     if s.engine_args and kind is not EngineKind.VLLM:
         raise EngineArgError(f"engine arguments ({', '.join(sorted(s.engine_args))}) are vLLM's; "
                              f"the {kind.value} engine takes none")
-    # The settings that are engine arguments too (dtype, ...) are checked the same way.
-    given = {k: getattr(s, k) for k in SETTING_ALIASES if getattr(s, k) is not None}
+    # The settings that are engine arguments too (dtype, ...) are checked the same way,
+    # when given (a default, such as max_logprobs' 20, is one vLLM takes).
+    given = {k: getattr(s, k) for k in SETTING_ALIASES
+             if getattr(s, k) is not None and getattr(s, k) != Settings.model_fields[k].default}
     if kind is EngineKind.VLLM and (s.engine_args or given):
         convert_engine_args({**given, **s.engine_args})
 

@@ -15,15 +15,24 @@ from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any
 
+# What the pipeline gives vLLM for skip_tokenizer_init. vLLM loads the model's tokenizer,
+# but only because its structured outputs (response_format) compile grammars over the
+# vocabulary and refuse to run without one. It never tokenizes or detokenizes for us:
+# prompts go in as token ids (TokensPrompt) and outputs come back as ids (detokenize=False);
+# the preprocess and postprocess stages own the text (llmpipe/engines/vllm_engine.py).
+SKIP_TOKENIZER_INIT = False
+
 # Set by the pipeline itself; overriding them would break it.
 OWNED = {
     "model": "the model is the `model` setting (--model)",
-    "skip_tokenizer_init": "the pipeline tokenizes in its own stages and gives vLLM token ids",
+    "skip_tokenizer_init": "the pipeline sets it to false: vLLM loads the tokenizer only to compile structured-output "
+                           "grammars, while prompts go in and outputs come out as token ids",
 }
 
 # Engine arguments that are settings too (one value, shared with the other stages: the
-# preprocess stage checks prompts against max_model_len). Settings fold them in.
-SETTING_ALIASES = ("dtype", "max_model_len", "enforce_eager", "gpu_memory_utilization", "max_num_seqs")
+# preprocess stage checks prompts against max_model_len, the API logprobs requests against
+# max_logprobs). Settings fold them in.
+SETTING_ALIASES = ("dtype", "max_model_len", "enforce_eager", "gpu_memory_utilization", "max_num_seqs", "max_logprobs")
 
 
 class EngineArgError(ValueError):

@@ -4,11 +4,12 @@ The ``AsyncLLM`` lives on an asyncio event loop in a daemon thread owned by the 
 ``generate`` (blocking, thread-safe) schedules one coroutine per request on that loop, so
 requests from concurrent ``generate`` calls join vLLM's running batch.
 
-The engine never tokenizes: vLLM is started with ``skip_tokenizer_init=True`` and prompts
-are ``TokensPrompt(prompt_token_ids=...)``. Without a tokenizer vLLM has no "primary" EOS
-id; it still reads ``eos_token_id`` from the model's generation_config.json (falling back
-to config.json) and adds those ids to the stop token ids. We add them ourselves too, so
-generation stops at EOS whatever vLLM version does (unless ``ignore_eos``).
+The engine never tokenizes or detokenizes: prompts are ``TokensPrompt(prompt_token_ids=...)``
+and outputs token ids (``detokenize=False``). vLLM loads the model's tokenizer only because
+its structured outputs (``response_format``) compile grammars over the vocabulary: with
+``skip_tokenizer_init`` it refuses them. We add the model's EOS ids (generation_config.json,
+then config.json) to the stop token ids ourselves too, so generation stops at EOS whatever
+vLLM version does (unless ``ignore_eos``).
 """
 
 from __future__ import annotations
@@ -23,14 +24,16 @@ from collections import Counter
 from typing import Any
 
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
-from llmpipe.errors import EngineDeadError, EngineError
-from llmpipe.messages import FinishReason, SamplingParams
+from llmpipe.engines.vllm_convert import (
+    StatsSink, as_id_list, is_transient, position, prompt_positions, sampling_params,
+)
+from llmpipe.errors import EngineBadRequestError, EngineDeadError, EngineError
+from llmpipe.messages import FinishReason, Logprob, SamplingParams
 from llmpipe.metrics import ENGINE_ABORTS
 
 log = logging.getLogger(__name__)
 
 _GiB = 1 << 30
-_TRANSIENT_MARKERS = ("out of memory", "outofmemory", "queueoverflow", "maxqueuedtokens", "no available memory")
 
 
 def _on_cpu() -> bool:
@@ -43,54 +46,11 @@ def _on_cpu() -> bool:
         return True
 
 
-def _as_id_list(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, int):
-        return [value]
-    return [int(v) for v in value]
-
-
-def _is_transient(exc: BaseException) -> bool:
-    seen: set[int] = set()
-    e: BaseException | None = exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        text = f"{type(e).__name__} {e}".lower()
-        if any(marker in text for marker in _TRANSIENT_MARKERS):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-class _StatsSink:
-    """A vLLM per-engine stat logger that keeps the latest scheduler stats."""
-
-    def __init__(self) -> None:
-        self.latest: Any = None
-
-    def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
-        from vllm.v1.metrics.loggers import StatLoggerBase
-
-        sink = self
-
-        class _Logger(StatLoggerBase):
-            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                pass
-
-            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
-                if scheduler_stats is not None:
-                    sink.latest = scheduler_stats
-
-            def log_engine_initialized(self) -> None:
-                pass
-
-        return _Logger(vllm_config, engine_index)
-
-
 class VllmEngine(Engine):
     name = "vllm"
     continuous = True
+    supports_logprobs = True
+    supports_structured_outputs = True
 
     def __init__(
         self,
@@ -103,7 +63,7 @@ class VllmEngine(Engine):
         """``engine_args``: vLLM AsyncEngineArgs fields (dtype, max_model_len, enforce_eager,
         max_num_seqs, tensor_parallel_size, ...); llmpipe/engines/platform.py chooses them.
         A None value leaves vLLM's own default."""
-        from llmpipe.engines.vllm_args import OWNED
+        from llmpipe.engines.vllm_args import OWNED, SKIP_TOKENIZER_INIT
 
         owned = sorted(set(engine_args) & set(OWNED))
         if owned:
@@ -131,10 +91,11 @@ class VllmEngine(Engine):
         }
         args = {k: v for k, v in args.items() if v is not None}
         try:
-            self._args = AsyncEngineArgs(model=model, skip_tokenizer_init=True, **args)
+            # The tokenizer is loaded for structured outputs only; prompts stay token ids (vllm_args.py).
+            self._args = AsyncEngineArgs(model=model, skip_tokenizer_init=SKIP_TOKENIZER_INIT, **args)
         except Exception as e:
             raise EngineError(f"bad vLLM engine arguments for {model!r}: {type(e).__name__}: {e}") from e
-        self._stats = _StatsSink()
+        self._stats = StatsSink()
         self._lock = threading.Lock()
         self._inflight: Counter[str] = Counter()
         self._cancelled: set[str] = set()
@@ -179,10 +140,10 @@ class VllmEngine(Engine):
         self._vocab_size = int(mc.get_vocab_size())
         eos: list[int] = []
         try:
-            eos += _as_id_list(mc.try_get_generation_config().get("eos_token_id"))
+            eos += as_id_list(mc.try_get_generation_config().get("eos_token_id"))
         except Exception:  # pragma: no cover - defensive
             log.warning("could not read the generation config of %s", self._model, exc_info=True)
-        eos += _as_id_list(getattr(mc.hf_text_config, "eos_token_id", None))
+        eos += as_id_list(getattr(mc.hf_text_config, "eos_token_id", None))
         self._eos_ids = sorted(set(eos))
         if not self._eos_ids:
             log.warning("model %s declares no eos_token_id; generation stops at max_tokens or stop ids", self._model)
@@ -207,56 +168,54 @@ class VllmEngine(Engine):
     # -- generation ------------------------------------------------------------------
 
     def _sampling_params(self, p: SamplingParams) -> Any:
-        from vllm import SamplingParams as VSamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        stop = list(dict.fromkeys(list(p.stop_token_ids) + ([] if p.ignore_eos else self._eos_ids)))
-        return VSamplingParams(
-            max_tokens=p.max_tokens,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            seed=p.seed,
-            stop_token_ids=stop,
-            ignore_eos=p.ignore_eos,
-            detokenize=False,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        return sampling_params(p, self._eos_ids)
 
     async def _run_one(self, req: EngineRequest, on_tokens: TokenCallback | None) -> EngineOutput:
+        from vllm.exceptions import VLLMValidationError
         from vllm.inputs import TokensPrompt
 
         rid = req.request_id
         if rid in self._cancelled:
             return EngineOutput(rid, [], FinishReason.CANCELLED)
+        logprobs: list[list[Logprob]] | None = [] if req.params.logprobs is not None else None
+        prompt_logprobs: list[list[Logprob]] | None = None
         tokens: list[int] = []
         first_at: float | None = None
         finish: str | None = None
         stop_reason: Any = None
         abort_sent = False
         callback_ok = on_tokens is not None
-        gen = self._llm.generate(TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)), self._sampling_params(req.params), rid)
-        async for out in gen:
-            comp = out.outputs[0]
-            if comp.token_ids:
-                if first_at is None:
-                    first_at = time.time()
-                tokens.extend(comp.token_ids)
-                if callback_ok:
-                    try:
-                        on_tokens(rid, list(tokens))
-                    except Exception:
-                        callback_ok = False
-                        log.exception("on_tokens callback failed for %s; no more callbacks for it", rid)
-            if comp.finish_reason is not None:
-                finish = str(comp.finish_reason)
-                stop_reason = comp.stop_reason
-            # (No break on out.finished: vLLM's generator ends by itself after it; leaving
-            # it suspended would make its finaliser abort the finished request.)
-            if not out.finished and rid in self._cancelled and not abort_sent:
-                # abort() raced with the request being added; abort it now that it exists.
-                abort_sent = True
-                await self._llm.abort(rid)
-                ENGINE_ABORTS.inc()
+        try:
+            gen = self._llm.generate(TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)),
+                                     self._sampling_params(req.params), rid)
+            async for out in gen:
+                comp = out.outputs[0]
+                if out.prompt_logprobs and prompt_logprobs is None:
+                    prompt_logprobs = prompt_positions(req.prompt_token_ids, out.prompt_logprobs)
+                if logprobs is not None and comp.logprobs:
+                    logprobs.extend(position(pos) for pos in comp.logprobs)
+                if comp.token_ids:
+                    if first_at is None:
+                        first_at = time.time()
+                    tokens.extend(comp.token_ids)
+                    if callback_ok:
+                        try:
+                            on_tokens(rid, list(tokens))
+                        except Exception:
+                            callback_ok = False
+                            log.exception("on_tokens callback failed for %s; no more callbacks for it", rid)
+                if comp.finish_reason is not None:
+                    finish = str(comp.finish_reason)
+                    stop_reason = comp.stop_reason
+                # (No break on out.finished: vLLM's generator ends by itself after it; leaving
+                # it suspended would make its finaliser abort the finished request.)
+                if not out.finished and rid in self._cancelled and not abort_sent:
+                    # abort() raced with the request being added; abort it now that it exists.
+                    abort_sent = True
+                    await self._llm.abort(rid)
+                    ENGINE_ABORTS.inc()
+        except VLLMValidationError as e:  # what the request asks, e.g. a schema the grammar backend refuses
+            raise EngineBadRequestError(f"request {rid}: {e}", param=e.parameter) from e
         if finish == "error":
             raise EngineError(f"vLLM reported a request-level error for {rid}", transient=True)
         reason = {
@@ -268,7 +227,10 @@ class VllmEngine(Engine):
         extra: dict[str, Any] = {}
         if stop_reason is not None:
             extra["stop_reason"] = stop_reason
-        return EngineOutput(rid, tokens, reason, first_token_at=first_at, extra=extra)
+        # vLLM's stop_reason is the stop token id, or None for the tokenizer's EOS.
+        stop_token = stop_reason if isinstance(stop_reason, int) and not isinstance(stop_reason, bool) else None
+        return EngineOutput(rid, tokens, reason, first_token_at=first_at, extra=extra, logprobs=logprobs,
+                            prompt_logprobs=prompt_logprobs, stop_token=stop_token)
 
     def _translate(self, exc: BaseException) -> EngineError:
         from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
@@ -280,11 +242,12 @@ class VllmEngine(Engine):
         if isinstance(exc, (concurrent.futures.CancelledError, asyncio.CancelledError)):
             return EngineDeadError("vLLM engine is shut down")
         cause = exc.__cause__ or exc
-        return EngineError(f"vLLM failed a request: {type(cause).__name__}: {cause}", transient=_is_transient(exc))
+        return EngineError(f"vLLM failed a request: {type(cause).__name__}: {cause}", transient=is_transient(exc))
 
     def _validate(self, r: EngineRequest) -> None:
-        # With skip_tokenizer_init vLLM does not range-check prompt ids: an id outside the
-        # vocabulary kills the engine core (IndexError in the embedding). Check them here.
+        # vLLM range-checks prompt ids against its tokenizer at most (none with
+        # skip_tokenizer_init), and an id outside the model's vocabulary kills the engine
+        # core (IndexError in the embedding). Check them here, whatever vLLM does.
         ids = r.prompt_token_ids
         if not ids:
             raise EngineError(f"request {r.request_id}: the prompt is empty")

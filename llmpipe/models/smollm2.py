@@ -137,10 +137,14 @@ def prepare_smollm2(dest: Path, progress: bool = True) -> Path:
         *versions,
     )
     steps = _Steps(progress)
+    t0 = time.perf_counter()
     path, built = build_once(Path(dest), key, lambda tmp: _convert(gguf, tmp, steps))
     if progress and steps.console is not None:
-        verb = "ready in" if built else "already prepared in"
-        steps.console.print(f"[green]✓[/] SmolLM2-135M-Instruct {verb} {path}")
+        # One line (a narrow console wrapped "ready in <folder>" and the folder read as a
+        # missing time): the time, then where it is.
+        what = f"converted in {time.perf_counter() - t0:.1f}s" if built else "already prepared"
+        steps.console.print(f"[green]✓[/] SmolLM2-135M-Instruct {what}: {path}", markup=True, highlight=False,
+                            soft_wrap=True)
     return path
 
 

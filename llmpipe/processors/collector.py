@@ -9,9 +9,12 @@ from typing import Any
 import redis.exceptions
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
-from llmpipe.messages import ErrorReason, JobResult, JobStatus, PromptResult, StageError, Usage
+from llmpipe.messages import ErrorReason, JobResult, JobStatus, PromptResult, Stage, StageError, Usage
 
 log = logging.getLogger("llmpipe.collect")
+# The job's one INFO line belongs to the postprocess stage's log (issue 15: counts, never content).
+job_log = logging.getLogger("llmpipe.postprocess")
+_SHORT = {Stage.PREPROCESS: "pre", Stage.INFERENCE: "inf", Stage.POSTPROCESS: "post"}
 _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
@@ -35,6 +38,7 @@ def collect_job(job_id: str, results: list[dict]) -> JobResult:
             reason=first.reason,
             message=f"{len(errors)} of {len(prompts)} prompts failed (indexes {which}); first: {first.message}",
             stage=first.stage,
+            param=first.param,
         )
     return JobResult(job_id=job_id, status=status, results=prompts, usage=usage, error=error)
 
@@ -83,3 +87,20 @@ class JobCollector:
         if not moved:
             log.info("job=%s stage=collect the job had already ended (cancelled or expired); result not recorded",
                      job.job_id)
+
+
+def log_job(job: JobResult, e2e_s: float | None = None) -> None:
+    """The job's one INFO line: ids, counts and times, never its content. Per stage, the
+    slowest prompt's queue wait and run time (seconds)."""
+    if not job_log.isEnabledFor(logging.INFO):
+        return
+    stages = []
+    for stage in Stage:
+        t = [r.timings[stage] for r in job.results if stage in r.timings]
+        if t:
+            stages.append(f"{_SHORT[stage]}={max(x.queue_wait_s for x in t):.3f}/{max(x.run_s for x in t):.3f}")
+    batch = max((r.batch_size for r in job.results), default=0)
+    job_log.info("job=%s stage=postprocess status=%s prompts=%d tokens_in=%d tokens_out=%d batch=%d wait/run_s %s%s%s",
+                 job.job_id, job.status.value, len(job.results), job.usage.prompt_tokens, job.usage.completion_tokens,
+                 batch, " ".join(stages), "" if e2e_s is None else f" e2e_s={e2e_s:.3f}",
+                 f" error={job.error.reason.value}" if job.error else "")

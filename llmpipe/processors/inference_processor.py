@@ -12,12 +12,26 @@ from dataclasses import dataclass, replace
 
 from llmpipe.batching import Batcher
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest
-from llmpipe.errors import CancelledError, EngineDeadError, ExpiredError
+from llmpipe.errors import BadRequestError, CancelledError, EngineDeadError, EngineError, ExpiredError
 from llmpipe.isolation import run_isolated
-from llmpipe.messages import ErrorReason, FinishReason, Generation, Stage, StageError, TokenizedRequest
+from llmpipe.messages import ErrorReason, FinishReason, Generation, SamplingParams, Stage, StageError, TokenizedRequest
 from llmpipe.processors.envelope import WallClock, run_stage
 
 log = logging.getLogger("llmpipe.inference")
+
+# How many of the prompt's last ids postprocess decodes the output after (as vLLM's
+# detokenizer does): enough for a leading space or a character split across tokens.
+PROMPT_TAIL = 8
+
+
+def resumable(params: SamplingParams) -> bool:
+    """Whether a request that runs again can continue exactly from the ids it emitted.
+    Not when it asked for log probabilities: the emitted ids' logprobs (and the prompt's,
+    which would then cover them too) are gone with the attempt that made them. Not with a
+    grammar (response_format): vLLM would start the grammar again at the continuation.
+    Such a request runs again whole; the API refuses to stream logprobs, so only a
+    streamed grammar request can have shown ids, and it fails rather than take them back."""
+    return params.logprobs is None and params.prompt_logprobs is None and params.structured is None
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,8 @@ class InferenceProcessor:
     from the tokens it emitted: the engine gets prompt + those ids and the rest of
     ``max_tokens``, and the output is those ids + the continuation. So the streamed text
     is always a prefix of the final text, whatever temperature and however many attempts.
+    A request that cannot resume exactly (:func:`resumable`: logprobs, a grammar) runs
+    again whole instead, and is published only when it streams.
     """
 
     def __init__(
@@ -111,10 +127,18 @@ class InferenceProcessor:
         return ids
 
     def _generate(self, req: TokenizedRequest, resume: bool = False) -> Generation:
-        prefix = self._prefix(req) if resume else []
-        self._emitted[req.request_id] = prefix
-        if self._publisher is not None:
-            self._publisher.register(req.request_id, req.job_id, req.index, req.stream, prefix=prefix)
+        self._check_supported(req)
+        # A request that cannot resume exactly and does not stream is neither published nor
+        # remembered: whatever happens to an attempt, it runs again whole, and nobody saw
+        # the ids of the attempt that failed (see resumable()).
+        tracked = req.stream or resumable(req.params)
+        prefix = self._prefix(req) if resume and tracked else []
+        if tracked:
+            self._emitted[req.request_id] = prefix
+        if self._publisher is not None and tracked:
+            self._publisher.register(req.request_id, req.job_id, req.index, req.stream, prefix=prefix,
+                                     prompt_tokens=len(req.prompt_token_ids),
+                                     prompt_tail=req.prompt_token_ids[-PROMPT_TAIL:])
         try:
             fut = self.batcher.submit(req)
             try:
@@ -134,7 +158,21 @@ class InferenceProcessor:
             prompt_tokens=len(req.prompt_token_ids), output_token_ids=out.token_ids,
             finish_reason=out.finish_reason, batch_size=done.batch_size,
             engine_time_s=done.engine_time_s, first_token_at=out.first_token_at, stop=req.params.stop,
+            stop_token=out.stop_token, prompt_tail=req.prompt_token_ids[-PROMPT_TAIL:],
+            prompt_token_ids=req.prompt_token_ids if req.params.echo else None,
+            logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs,
         )
+
+    def _check_supported(self, req: TokenizedRequest) -> None:
+        """A request asking for what this engine cannot do fails, naming the field; it is
+        never served without it. (The API refuses it first when it knows the engine.)"""
+        p, e = req.params, self.engine
+        if (p.logprobs is not None or p.prompt_logprobs is not None) and not e.supports_logprobs:
+            raise BadRequestError(f"the {e.name} engine does not return log probabilities",
+                                  param="logprobs" if p.logprobs is not None else "prompt_logprobs")
+        if p.structured is not None and not e.supports_structured_outputs:
+            raise BadRequestError(f"the {e.name} engine has no structured outputs (response_format needs the vllm engine)",
+                                  param="response_format")
 
     def _run_batch(self, batch: list[TokenizedRequest]) -> list[_Done | Exception]:
         now = self._clock()
@@ -178,16 +216,21 @@ class InferenceProcessor:
                 results[i] = out if isinstance(out, Exception) else _Done(out, len(live), dt)
         return results  # type: ignore[return-value]
 
-    def _run_engine(self, reqs: list[EngineRequest]) -> list[EngineOutput]:
+    def _run_engine(self, reqs: list[EngineRequest]) -> list[EngineOutput | EngineError]:
         """One engine attempt; each request resumes from the ids it emitted before."""
         bases = [self._emitted.get(r.request_id, []) for r in reqs]
-        outs: list[EngineOutput | None] = [None] * len(reqs)
+        outs: list[EngineOutput | EngineError | None] = [None] * len(reqs)
         todo: list[tuple[int, EngineRequest]] = []
         for i, (r, base) in enumerate(zip(reqs, bases, strict=True)):
+            if base and not resumable(r.params):  # a streamed grammar request whose stream began
+                outs[i] = EngineError(f"the engine failed after {len(base)} tokens were streamed, and a structured "
+                                      "output cannot resume from them; send the request again")
+                continue
             if base:
                 finished = self._finished_by(r, base)
                 if finished is not None:
-                    outs[i] = EngineOutput(r.request_id, list(base), finished)
+                    stop_token = base[-1] if finished is FinishReason.STOP and base[-1] in r.params.stop_token_ids else None
+                    outs[i] = EngineOutput(r.request_id, list(base), finished, stop_token=stop_token)
                     continue
                 r = EngineRequest(r.request_id, [*r.prompt_token_ids, *base],
                                   r.params.model_copy(update={"max_tokens": r.params.max_tokens - len(base)}))
@@ -199,8 +242,10 @@ class InferenceProcessor:
             def on_tokens(rid: str, ids: list[int]) -> None:
                 base = base_of.get(rid)
                 full = [*base, *ids] if base else ids
-                if rid in self._emitted:  # not when its task already gave up on it (deadline)
-                    self._emitted[rid] = full
+                # Not when its task already gave up on it (deadline), nor when it reruns whole.
+                if rid not in self._emitted:
+                    return
+                self._emitted[rid] = full
                 if publisher is not None:
                     publisher.on_tokens(rid, full)
 

@@ -12,9 +12,13 @@ from llmpipe.processors.envelope import WallClock, run_stage
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, context_len: int, *, allow_special_tokens: bool = False, clock: WallClock = time.time):
+    def __init__(self, tokenizer: Any, context_len: int, *, allow_special_tokens: bool = False, clock: WallClock = time.time,
+                 vocab_size: int | None = None):
         self.tokenizer = tokenizer
         self.context_len = context_len
+        # Token-id prompts are checked against the larger of the model's and the tokenizer's
+        # vocabularies, as vLLM does (some models have ids the tokenizer lacks, and back).
+        self.vocab_size = max(vocab_size or 0, len(tokenizer))
         self.allow_special_tokens = allow_special_tokens
         self._clock = clock
         # Each tokenizer call sets the tokenizer's own split_special_tokens flag before it
@@ -26,22 +30,63 @@ class InputProcessor:
         return run_stage(Stage.PREPROCESS, req, self._tokenize, self._failed, self._clock)
 
     def token_ids(self, req: PromptRequest) -> list[int]:
+        if req.prompt_token_ids is not None:
+            return self._checked_ids(req.prompt_token_ids)
         if req.messages is not None:
-            if not req.messages:
-                raise BadRequestError("messages must not be empty", param="messages")
-            convo = [m.model_dump() for m in req.messages]
-            if not self.allow_special_tokens and any(self._holds_special(m["content"]) for m in convo):
-                return self._chat_ids_with_text_contents(convo)
-            ids = self.tokenizer.apply_chat_template(convo, add_generation_prompt=True, tokenize=True, return_dict=False)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return list(ids)
+            return self.chat_ids([m.model_dump() for m in req.messages])
         assert req.prompt is not None
         if not req.prompt:
             raise BadRequestError("prompt must not be empty", param="prompt")
+        return self.prompt_ids(req.prompt)
+
+    def prompt_ids(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         # Special tokens written as text (e.g. "<|im_end|>") stay text unless allowed.
-        enc = self.tokenizer(req.prompt, add_special_tokens=True, split_special_tokens=not self.allow_special_tokens)
+        enc = self.tokenizer(text, add_special_tokens=add_special_tokens, split_special_tokens=not self.allow_special_tokens)
         return list(enc["input_ids"])
+
+    def chat_ids(self, convo: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
+        if not convo:
+            raise BadRequestError("messages must not be empty", param="messages")
+        if not self.allow_special_tokens and any(self._holds_special(m["content"]) for m in convo):
+            return self._chat_ids_with_text_contents(convo, add_generation_prompt)
+        ids = self.tokenizer.apply_chat_template(convo, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                                 return_dict=False)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def tokenize_view(self, *, prompt: str | None = None, messages: list[dict] | None = None,
+                      add_special_tokens: bool | None = None, add_generation_prompt: bool = True,
+                      return_token_strs: bool = False) -> dict:
+        """``POST /tokenize``: the ids this stage would feed the engine, in vLLM's shape."""
+        with self._lock:
+            if messages is not None:
+                ids = self.chat_ids(messages, add_generation_prompt=add_generation_prompt)
+                if add_special_tokens:  # on top of the template's own (vLLM's default: off)
+                    prefix, suffix = self._special_wrap()
+                    ids = prefix + ids + suffix
+            else:
+                ids = self.prompt_ids(prompt or "", add_special_tokens=True if add_special_tokens is None else add_special_tokens)
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.context_len, "tokens": ids, "token_strs": strs}
+
+    def _special_wrap(self) -> tuple[list[int], list[int]]:
+        """The ids the tokenizer adds before and after a text (a BOS, say)."""
+        core = self.tokenizer("a", add_special_tokens=False)["input_ids"]
+        full = self.tokenizer("a", add_special_tokens=True)["input_ids"]
+        for i in range(len(full) - len(core) + 1):
+            if full[i : i + len(core)] == core:
+                return list(full[:i]), list(full[i + len(core):])
+        return [], []
+
+    def _checked_ids(self, ids: list[int]) -> list[int]:
+        """A prompt given as token ids is not tokenized, only checked (vLLM's messages)."""
+        if not ids:
+            raise BadRequestError("prompt must not be empty", param="prompt")
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= self.vocab_size:
+            raise BadRequestError(f"Token id {lo if lo < 0 else hi} is out of vocabulary", param="prompt")
+        return list(ids)
 
     def _holds_special(self, text: str) -> bool:
         specials = getattr(self, "_specials", None)
@@ -53,7 +98,7 @@ class InputProcessor:
             specials = self._specials = tuple(t for t in names if t)
         return any(t in text for t in specials)
 
-    def _chat_ids_with_text_contents(self, convo: list[dict]) -> list[int]:
+    def _chat_ids_with_text_contents(self, convo: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """The chat template's own markup becomes control tokens; message contents never do.
 
         A user writing "<|im_end|>" in a message must not close their turn and open another
@@ -63,7 +108,7 @@ class InputProcessor:
         marks = [f"\x00llmpipe-content-{i}\x00" for i in range(len(convo))]
         rendered = self.tokenizer.apply_chat_template(
             [{**m, "content": mark} for m, mark in zip(convo, marks, strict=True)],
-            add_generation_prompt=True, tokenize=False)
+            add_generation_prompt=add_generation_prompt, tokenize=False)
         ids: list[int] = []
         rest = rendered
         for m, mark in zip(convo, marks, strict=True):

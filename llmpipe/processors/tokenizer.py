@@ -29,6 +29,18 @@ class TokenizerOwner:
         self._tok = None
 
 
+def model_vocab_size(model_path: str) -> int | None:
+    """vocab_size from a local model's config.json (or its text_config), if it is there."""
+    cfg = Path(model_path) / "config.json"
+    if not cfg.is_file():
+        return None
+    data = json.loads(cfg.read_text())
+    for d in (data, data.get("text_config") or {}):
+        if isinstance(d.get("vocab_size"), int):
+            return d["vocab_size"]
+    return None
+
+
 def model_context_length(model_path: str) -> int | None:
     """max_position_embeddings from a local model's config.json, if it is there."""
     cfg = Path(model_path) / "config.json"

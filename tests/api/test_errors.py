@@ -60,7 +60,7 @@ def test_engine_failure_is_424_and_final(client, redis_client, helpers):
     t.join(10)
     r = out["r"]
     assert r.status_code == 424 and r.headers[RETRY_HEADER] == "false"
-    assert r.json()["error"] == {"type": "engine_error", "message": "poison", "param": None}
+    assert r.json()["error"] == {"type": "engine_error", "message": "poison", "param": None, "code": 424}
 
 
 def test_a_cancelled_job_is_409_and_final(client, redis_client, helpers):
@@ -97,4 +97,4 @@ def test_a_stream_that_fails_sends_the_error_schema_with_param(client, redis_cli
         helpers.finish_job(redis_client, job_id, error={"reason": "engine_error", "message": "poison"})
         events = [ln[6:] for ln in lines if ln.startswith("data: ")]
     assert events[-1] == "[DONE]"
-    assert json.loads(events[-2]) == {"error": {"type": "engine_error", "message": "poison", "param": None}}
+    assert json.loads(events[-2]) == {"error": {"type": "engine_error", "message": "poison", "param": None, "code": 424}}

@@ -48,7 +48,7 @@ def test_the_same_key_with_another_body_is_422(client, redis_client):
     assert client.post("/v1/jobs", json={"prompt": "x"}, headers=_auth(idem="b")).status_code == 202
     r = client.post("/v1/jobs", json={"prompt": "y"}, headers=_auth(idem="b"))
     assert r.status_code == 422 and r.headers["x-should-retry"] == "false"
-    assert r.json()["error"] == {"type": "idempotency_key_reused", "param": "Idempotency-Key",
+    assert r.json()["error"] == {"type": "idempotency_key_reused", "param": "Idempotency-Key", "code": 422,
                                  "message": "Idempotency-Key 'b' was already used with a different request body; use a new key"}
     assert _queued(redis_client) == 1
 

@@ -47,7 +47,8 @@ def test_api_keeps_no_pubsub_subscriptions(client, redis_client):
 def test_unknown_id_404_with_error_schema(client):
     r = client.get("/v1/jobs/does-not-exist")
     assert r.status_code == 404
-    assert r.json() == {"error": {"type": "not_found", "message": "no job with id 'does-not-exist' (unknown or expired)", "param": "id"}}
+    assert r.json() == {"error": {"type": "not_found", "message": "no job with id 'does-not-exist' (unknown or expired)",
+                                  "param": "id", "code": 404}}
 
 
 @pytest.mark.parametrize(

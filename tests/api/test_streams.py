@@ -3,7 +3,7 @@
 import json
 
 from api.sse import _Choice
-from llmpipe.streaming import apply_entries
+from llmpipe.streaming import PromptInfo, TokenPublisher, apply_entries
 
 
 def _e(i, off, ids):
@@ -17,6 +17,24 @@ def test_entries_merge_by_offset_and_replays_add_nothing():
     assert apply_entries([_e(0, 0, [1, 2, 3])], have) == {0: [3]}
     assert apply_entries([_e(0, 5, [7])], have) == {}  # a gap is not filled with guesses
     assert have == {0: [1, 2, 3], 1: [9]}
+
+
+def test_streaming_entries_say_the_prompt_length_and_tail(redis_client):
+    """What the usage on every chunk (continuous_usage_stats) and the API's decoding after
+    the prompt need; a request that does not stream publishes ids only."""
+    pub = TokenPublisher(redis_client, flush_s=60, partial_every_s=60)
+    try:
+        pub.register("j-0", "j", 0, True, prefix=[5], prompt_tokens=12, prompt_tail=[7, 8])
+        pub.register("j-1", "j", 1, False, prompt_tokens=3, prompt_tail=[1])
+        pub.on_tokens("j-0", [5, 6])
+        pub.on_tokens("j-1", [4])
+        pub.flush(force=True)
+    finally:
+        pub.close()
+    have: dict[int, list[int]] = {0: [5]}  # the prefix, as an earlier delivery published it
+    prompts: dict[int, PromptInfo] = {}
+    assert apply_entries(redis_client.xrange("llmpipe:tokens:j"), have, prompts) == {0: [6], 1: [4]}
+    assert prompts == {0: PromptInfo(12, [7, 8])}
 
 
 class CharText:

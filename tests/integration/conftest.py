@@ -27,6 +27,12 @@ def start_pipeline(tmp_path, redis_url, model, engine, *, flower=True, extra_env
     return p
 
 
+@pytest.fixture(scope="session")
+def pipeline_starter():
+    """start_pipeline (test modules cannot import this conftest)."""
+    return start_pipeline
+
+
 @pytest.fixture(scope="module", params=["vllm", "transformers"])
 def pipeline(request, tmp_path_factory, redis_server, tiny_model):
     import redis

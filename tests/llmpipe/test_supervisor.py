@@ -78,6 +78,23 @@ def test_log_files_and_prefixed_console(tmp_path):
     assert a.proc.returncode == 0 and b.proc.returncode == 0
 
 
+def test_console_shows_warnings_and_errors_the_file_keeps_everything(tmp_path):
+    import logging
+
+    console, buf = _console()
+    sup = Supervisor(tmp_path / "logs", console=console, echo_level=logging.WARNING)
+    lines = ["[2026-11-30 11:41:40,011: INFO/MainProcess] Connected",
+             "[2026-11-30 11:41:41,000: INFO/MainProcess] (EngineCore pid=7) WARNING 11-30 11:41:41 [x.py:1] careful",
+             "[2026-11-30 11:41:42,000: ERROR/MainProcess] Task failed", "Traceback (most recent call last):",
+             "  File \"x.py\", line 1", "[2026-11-30 11:41:43,000: INFO/MainProcess] Task ok"]
+    sup.spawn("gamma", _py(f"print({chr(10).join(lines)!r})"), python_env({}))
+    assert _wait_for(lambda: len(sup.exited()) == 1)
+    assert sup.stop(timeout=5)
+    assert (tmp_path / "logs" / "gamma.log").read_text().splitlines() == lines
+    shown = [ln.removeprefix("gamma       | ") for ln in buf.getvalue().splitlines()]
+    assert shown == lines[1:5]
+
+
 def test_warm_stop_lets_children_finish(tmp_path):
     sup = Supervisor(tmp_path, echo=False)
     child = sup.spawn("w", term_child(delay=0.3), python_env({}))

@@ -52,19 +52,21 @@ def test_cuda_defaults_for_vllm():
     assert "max_num_seqs" not in cfg.args  # vLLM's own default, not the dispatch batch
     assert "max_model_len" not in cfg.args
     assert cfg.sources["dtype"] == "default on cuda"
-    assert cfg.fixed == {"model": "smollm2", "skip_tokenizer_init": True}
+    # vLLM loads the tokenizer for grammars only; ids still go in and come out (vllm_args.py).
+    assert cfg.fixed == {"model": "smollm2", "skip_tokenizer_init": False}
 
 
 def test_cpu_defaults_for_vllm_are_the_tested_ones():
     cfg = _vllm(Platform.CPU, max_batch_size=12)
-    assert cfg.args == {"dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.85, "max_num_seqs": 12}
+    assert cfg.args == {"dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.85, "max_num_seqs": 12,
+                        "max_logprobs": 20}
 
 
 def test_settings_win_over_the_platform():
     cfg = _vllm(Platform.CUDA, dtype="float16", enforce_eager=True, max_num_seqs=512, max_model_len=4096,
                 gpu_memory_utilization=0.5)
     assert cfg.args == {"dtype": "float16", "enforce_eager": True, "gpu_memory_utilization": 0.5,
-                        "max_num_seqs": 512, "max_model_len": 4096}
+                        "max_num_seqs": 512, "max_model_len": 4096, "max_logprobs": 20}
     assert set(cfg.sources.values()) == {SETTING}
 
 
@@ -130,6 +132,13 @@ def test_engine_args_that_are_settings_fold_into_them():
         Settings(max_model_len=512, engine_args={"max_model_len": "256"})
 
 
+def test_max_logprobs_is_one_value_for_the_api_and_vllm():
+    s = Settings(engine=EngineKind.VLLM, engine_args={"max_logprobs": "5"})
+    assert s.max_logprobs == 5 and s.engine_args == {}  # the API checks requests against it
+    cfg = engine_config(s, Platform.CPU, vllm_fields=FIELDS)
+    assert cfg.args["max_logprobs"] == 5 and cfg.sources["max_logprobs"] == SETTING
+
+
 def test_engine_args_reach_the_children_once(tmp_path, monkeypatch):
     """Through the environment (JSON) to a child, which must not merge the config file's
     table a second time."""
@@ -159,7 +168,7 @@ def test_factory_builds_vllm_with_the_platform_defaults_and_the_passed_args(monk
     create_engine(Settings(engine=EngineKind.VLLM, engine_args={"tensor_parallel_size": "2"}, state_dir=tmp_path),
                   model_path="/m")
     assert seen == {"kv_cache_gib": 1.0, "dtype": "auto", "enforce_eager": False, "gpu_memory_utilization": 0.9,
-                    "tensor_parallel_size": 2}
+                    "max_logprobs": 20, "tensor_parallel_size": 2}
 
 
 def test_print_config_shows_the_platform_and_each_source():
@@ -169,7 +178,7 @@ def test_print_config_shows_the_platform_and_each_source():
     assert re.search(r'^dtype += "auto"  # default on cuda$', text, re.M)
     assert re.search(r"^enforce_eager += false  # default on cuda$", text, re.M)
     assert re.search(r"^max_num_seqs += \(unset\)  # vLLM's own default", text, re.M)
-    assert re.search(r"^skip_tokenizer_init += true  # pipeline \(fixed\)$", text, re.M)
+    assert re.search(r"^skip_tokenizer_init += false  # pipeline \(fixed\)$", text, re.M)
     assert 'api_keys = "***"' in text and "k1" not in text
 
 

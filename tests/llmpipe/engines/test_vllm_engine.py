@@ -22,7 +22,7 @@ def greedy(n: int, **kw) -> SamplingParams:
 def test_engine_properties(vllm_engine, tiny_model):
     assert vllm_engine.continuous is True
     assert vllm_engine.max_model_len == 1024
-    # skip_tokenizer_init: the EOS ids come from the model's generation_config.json.
+    # The EOS ids come from the model's generation_config.json (and config.json).
     assert vllm_engine.eos_token_ids == [1, 4]
     assert vllm_engine._sampling_params(greedy(3)).stop_token_ids == [1, 4]
     assert vllm_engine._sampling_params(greedy(3, ignore_eos=True, stop_token_ids=[9])).stop_token_ids == [9]
@@ -35,6 +35,62 @@ def test_greedy_ids_equal_transformers(vllm_engine, hf_engine):
     assert [o.request_id for o in v] == [r.request_id for r in batch]
     assert [o.token_ids for o in v] == [o.token_ids for o in h]
     assert [o.finish_reason for o in v] == [o.finish_reason for o in h]
+
+
+def _close(a, b, tol=1e-4):
+    return all(x.id == y.id and x.rank == y.rank and (x.logprob is None) == (y.logprob is None)
+               and (x.logprob is None or abs(x.logprob - y.logprob) <= tol) for x, y in zip(a, b, strict=True))
+
+
+def test_logprobs_equal_transformers(vllm_engine, hf_engine):
+    """Both engines give vLLM's per-position lists: the sampled token (with its rank) first,
+    then the top k, from the raw logits; prompt positions start with the first token, unscored."""
+    batch = [EngineRequest(f"lp{i}", p, greedy(6, logprobs=3, prompt_logprobs=2)) for i, p in enumerate(PROMPTS[:3])]
+    batch.append(EngineRequest("lp-none", PROMPTS[3], greedy(4)))
+    v, h = vllm_engine.generate(batch), hf_engine.generate(batch)
+    for vo, ho, req in zip(v[:3], h[:3], batch[:3], strict=True):
+        assert vo.token_ids == ho.token_ids
+        assert len(vo.logprobs) == len(vo.token_ids) and len(vo.prompt_logprobs) == len(req.prompt_token_ids)
+        assert [p[0].id for p in vo.logprobs] == vo.token_ids
+        assert vo.prompt_logprobs[0][0].id == req.prompt_token_ids[0] and vo.prompt_logprobs[0][0].logprob is None
+        assert all(_close(a, b) for a, b in zip(vo.logprobs, ho.logprobs, strict=True))
+        assert all(_close(a, b) for a, b in zip(vo.prompt_logprobs, ho.prompt_logprobs, strict=True))
+    assert v[3].logprobs is None and v[3].prompt_logprobs is None and h[3].logprobs is None
+
+
+def test_structured_output_is_json_and_a_bad_schema_is_the_clients_fault(vllm_engine, tiny_tokenizer):
+    from llmpipe.errors import EngineBadRequestError
+    from llmpipe.messages import StructuredOutput
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
+    (o,) = vllm_engine.generate([EngineRequest("so", PROMPTS[1], greedy(40, structured=StructuredOutput(json_schema=schema)))])
+    text = tiny_tokenizer.decode(o.token_ids, skip_special_tokens=True)
+    assert "".join(text.split()).startswith('{"a":'), text  # the grammar allows nothing else (random weights)
+    with pytest.raises(EngineBadRequestError):
+        vllm_engine.generate([EngineRequest("so-bad", PROMPTS[1], greedy(5, structured=StructuredOutput(
+            json_schema={"type": "no-such-type"})))])
+
+
+def test_stop_token_is_the_stop_reason(vllm_engine, hf_engine):
+    (ref,) = vllm_engine.generate([EngineRequest("st-ref", PROMPTS[3], greedy(10))])
+    stop = ref.token_ids[2]
+    req = EngineRequest("st", PROMPTS[3], greedy(10, stop_token_ids=[stop]))
+    for engine in (vllm_engine, hf_engine):
+        (o,) = engine.generate([req])
+        assert o.stop_token == stop and o.finish_reason is FinishReason.STOP
+    assert ref.stop_token is None
+
+
+def test_vllm_gets_ids_and_gives_ids(vllm_engine):
+    """vLLM loads the tokenizer (skip_tokenizer_init=False) for grammars only: a prompt goes
+    in as the ids given, even ones no text would tokenize to, and outputs are not decoded."""
+    from llmpipe.engines.vllm_args import OWNED, SKIP_TOKENIZER_INIT
+
+    assert vllm_engine._args.skip_tokenizer_init is SKIP_TOKENIZER_INIT is False and "skip_tokenizer_init" in OWNED
+    assert vllm_engine._sampling_params(greedy(3)).detokenize is False
+    ids = [262, 262, 262, 4, 3, 262]  # an EOS id in the middle: no tokenizer makes this from text
+    (o,) = vllm_engine.generate([EngineRequest("ids-in", ids, greedy(3, prompt_logprobs=0))])
+    assert [pos[0].id for pos in o.prompt_logprobs] == ids and len(o.token_ids) == 3
 
 
 def test_max_tokens_and_length(vllm_engine):

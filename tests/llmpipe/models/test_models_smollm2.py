@@ -103,6 +103,7 @@ def test_prepared_folder_is_reused_and_progress_is_shown(smol_dir, capsys):
     assert prepare_smollm2(smol_dir, progress=True) == smol_dir
     assert time.perf_counter() - t0 < 5.0
     assert (smol_dir / "model.safetensors").stat().st_mtime_ns == mtime
-    assert "already prepared" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"already prepared: {smol_dir}\n" in err  # one line: a narrow console once wrapped the folder off
     # resolve_model names the same folder under models_dir.
     assert resolve_model("smollm2", smol_dir.parent) == str(smol_dir)

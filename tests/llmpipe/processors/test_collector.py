@@ -28,6 +28,28 @@ def test_expired_prompt_expires_the_job():
     assert collect_job("j", [_res(0, err)]).status == JobStatus.EXPIRED
 
 
+def test_one_info_line_per_job_with_counts_and_stage_times_but_no_text(caplog):
+    import logging
+
+    from llmpipe.messages import Stage, StageTimingSummary
+    from llmpipe.processors.collector import log_job
+
+    results = []
+    for i in range(2):
+        r = PromptResult.model_validate(_res(i))
+        r.timings = {Stage.PREPROCESS: StageTimingSummary(queue_wait_s=0.01 * (i + 1), run_s=0.002),
+                     Stage.INFERENCE: StageTimingSummary(queue_wait_s=0.003, run_s=0.5 + i)}
+        results.append(r.model_dump(mode="json"))
+    job = collect_job("j42", results)
+    with caplog.at_level(logging.INFO, logger="llmpipe.postprocess"):
+        log_job(job, 1.75)
+    (rec,) = caplog.records
+    line = rec.getMessage()
+    assert line == ("job=j42 stage=postprocess status=succeeded prompts=2 tokens_in=6 tokens_out=2 batch=0 "
+                    "wait/run_s pre=0.020/0.002 inf=0.003/1.500 e2e_s=1.750")
+    assert "t0" not in line and "t1" not in line  # the prompts' text
+
+
 # -- JobCollector: the job record takes the result; clean-ups never fail the job ------------
 def test_collecting_writes_the_result_to_the_record_even_when_clean_ups_fail(redis_client):
     import redis

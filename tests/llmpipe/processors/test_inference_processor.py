@@ -6,7 +6,9 @@ import pytest
 
 from llmpipe.engines.base import Engine, EngineOutput
 from llmpipe.errors import EngineError
-from llmpipe.messages import ErrorReason, FinishReason, SamplingParams, Stage, TokenizedRequest
+from llmpipe.messages import (
+    ErrorReason, FinishReason, Logprob, SamplingParams, Stage, StructuredOutput, TokenizedRequest,
+)
 from llmpipe.processors.inference_processor import InferenceProcessor
 
 
@@ -108,6 +110,8 @@ class SamplingEngine(Engine):
     token through on_tokens; a batch holding the poison prompt fails after ``fail_after`` tokens."""
 
     name = "sampling"
+    supports_logprobs = True
+    supports_structured_outputs = True
 
     def __init__(self, poison=(6, 6, 6), fail_after=3, eos=None):
         self.poison = list(poison)
@@ -130,7 +134,10 @@ class SamplingEngine(Engine):
                         on_tokens(r.request_id, list(out[r.request_id]))
         if poisoned:
             raise EngineError("poison in the batch")
-        return [EngineOutput(r.request_id, out[r.request_id], FinishReason.LENGTH) for r in batch]
+        return [EngineOutput(r.request_id, out[r.request_id], FinishReason.LENGTH,
+                             logprobs=None if r.params.logprobs is None else [
+                                 [Logprob(id=t, logprob=-1.0, rank=1)] for t in out[r.request_id]])
+                for r in batch]
 
     def shutdown(self):
         pass
@@ -141,7 +148,7 @@ class SeenPublisher:
         self.seen = {}
         self.prefix = {}
 
-    def register(self, request_id, job_id, index, stream, prefix=None):
+    def register(self, request_id, job_id, index, stream, prefix=None, **_):
         self.prefix[request_id] = list(prefix or [])
         self.seen.setdefault(request_id, [])
 
@@ -222,3 +229,63 @@ def test_without_resume_nothing_is_read():
     p = InferenceProcessor(eng, window_s=0.0, max_size=2, company_expected=lambda: False, clock=Clock(), published=boom)
     assert p.process(_mk(0, (1, 2), max_tokens=2)).output_token_ids == [100, 101]
     p.shutdown()
+
+
+# -- migration and what cannot resume exactly: logprobs, grammars ---------------------------
+def _shared_failed_batch(p, reqs):
+    out = [None] * len(reqs)
+    gate = threading.Barrier(len(reqs))
+
+    def run(i):
+        gate.wait()
+        out[i] = p.process(reqs[i])
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
+    [t.start() for t in ts]
+    [t.join(10) for t in ts]
+    p.shutdown()
+    return out
+
+
+def test_a_split_batch_runs_a_logprobs_request_again_whole_and_never_publishes_it():
+    # Its first 3 tokens' logprobs died with the failed attempt: resuming would answer ids
+    # without them. It was not published, so running it whole takes nothing back.
+    eng = SamplingEngine(fail_after=3)
+    pub = SeenPublisher()
+    p = InferenceProcessor(eng, window_s=5.0, max_size=2, company_expected=lambda: True, clock=Clock(), publisher=pub)
+    lp = _mk(0, (1, 2)).model_copy(update={"params": SamplingParams(max_tokens=8, temperature=1.0, logprobs=2)})
+    out = _shared_failed_batch(p, [lp, _mk(1, (6, 6, 6))])
+    gen = out[0]
+    assert len(eng.calls[0]) == 2  # the shared batch failed after 3 tokens
+    retry = next(c for c in eng.calls[1:] if c[0][0] == "j-0")
+    assert retry == [("j-0", [1, 2], 8)]  # the original prompt, all of max_tokens
+    assert gen.error is None and len(gen.output_token_ids) == 8
+    assert [pos[0].id for pos in gen.logprobs] == gen.output_token_ids  # one position per id, aligned
+    assert "j-0" not in pub.seen and "j-0" not in pub.prefix
+
+
+def test_a_redelivered_logprobs_request_runs_whole():
+    eng = SamplingEngine()
+    p = InferenceProcessor(eng, window_s=0.0, max_size=2, company_expected=lambda: False, clock=Clock(),
+                           publisher=SeenPublisher(), published=lambda job_id: {0: [7, 8, 9]})
+    req = _mk(0, (1, 2)).model_copy(update={"params": SamplingParams(max_tokens=5, prompt_logprobs=1)})
+    gen = p.process(req, resume=True)
+    p.shutdown()
+    assert eng.calls == [[("j-0", [1, 2], 5)]] and len(gen.output_token_ids) == 5
+
+
+def test_a_grammar_request_runs_again_whole_unless_its_stream_began():
+    grammar = SamplingParams(max_tokens=8, temperature=1.0, structured=StructuredOutput(json_object=True))
+    for stream in (False, True):
+        eng = SamplingEngine(fail_after=3)
+        pub = SeenPublisher()
+        p = InferenceProcessor(eng, window_s=5.0, max_size=2, company_expected=lambda: True, clock=Clock(), publisher=pub)
+        req = _mk(0, (1, 2)).model_copy(update={"params": grammar, "stream": stream})
+        gen = _shared_failed_batch(p, [req, _mk(1, (6, 6, 6))])[0]
+        retries = [c for c in eng.calls[1:] if c[0][0] == "j-0"]
+        if stream:  # 3 ids were streamed; the grammar cannot continue after them, nor take them back
+            assert len(pub.seen["j-0"]) == 3 and retries == []
+            assert gen.error.reason == ErrorReason.ENGINE_ERROR and "structured output" in gen.error.message
+        else:
+            assert retries == [[("j-0", [1, 2], 8)]] and gen.error is None and len(gen.output_token_ids) == 8
+            assert "j-0" not in pub.seen

@@ -86,3 +86,29 @@ def test_threads_tokenizing_at_once_keep_special_token_text_as_text(tiny_tokeniz
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(proc.process, reqs))
     assert [g.prompt_token_ids for g in got] == [want[i % 2] for i in range(64)]
+
+
+def test_token_id_prompts_skip_tokenizing_but_are_checked(tiny_tokenizer):
+    proc = InputProcessor(tiny_tokenizer, context_len=64, clock=WallClock(), vocab_size=3072)
+    out = proc.process(_req(prompt_token_ids=[5, 6, 3071]))
+    assert out.error is None and out.prompt_token_ids == [5, 6, 3071]
+    bad = proc.process(_req(prompt_token_ids=[5, 3072]))
+    assert bad.error.reason == ErrorReason.INVALID_REQUEST and bad.error.param == "prompt"
+    assert bad.error.message == "Token id 3072 is out of vocabulary"  # vLLM's words
+    assert proc.process(_req(prompt_token_ids=[-1])).error.param == "prompt"
+    long = proc.process(_req(prompt_token_ids=[7] * 60))  # still within the context with max_tokens
+    assert long.error.reason == ErrorReason.CONTEXT_LENGTH_EXCEEDED
+
+
+def test_tokenize_view_is_what_a_request_would_carry(proc, tiny_tokenizer):
+    msgs = [{"role": "user", "content": "hi"}]
+    view = proc.tokenize_view(messages=msgs, return_token_strs=True)
+    assert view["tokens"] == proc.process(_req(messages=[ChatMessage(**m) for m in msgs])).prompt_token_ids
+    assert view["count"] == len(view["tokens"]) and view["max_model_len"] == 64
+    assert view["token_strs"] == tiny_tokenizer.convert_ids_to_tokens(view["tokens"])
+    no_gen = proc.tokenize_view(messages=msgs, add_generation_prompt=False)["tokens"]
+    assert view["tokens"][: len(no_gen)] == no_gen and len(no_gen) < len(view["tokens"])
+    assert proc.tokenize_view(prompt="hello there")["tokens"] == tiny_tokenizer("hello there")["input_ids"]
+    assert proc.tokenize_view(prompt="hello")["token_strs"] is None
+    # The tiny model's tokenizer adds no special tokens of its own: nothing changes.
+    assert proc.tokenize_view(messages=msgs, add_special_tokens=True)["tokens"] == view["tokens"]

@@ -1,0 +1,94 @@
+"""Between llmpipe's messages and vLLM's types: sampling parameters in, logprobs and
+scheduler stats out, and which vLLM errors are worth a retry. vLLM is imported only inside
+the functions that need it (llmpipe/engines/vllm_engine.py runs them in the worker)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from llmpipe.messages import Logprob, SamplingParams
+
+_TRANSIENT_MARKERS = ("out of memory", "outofmemory", "queueoverflow", "maxqueuedtokens", "no available memory")
+
+
+def as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def is_transient(exc: BaseException) -> bool:
+    """An out-of-memory or a full queue, anywhere in the chain of causes: worth a retry."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = f"{type(e).__name__} {e}".lower()
+        if any(marker in text for marker in _TRANSIENT_MARKERS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+class StatsSink:
+    """A vLLM per-engine stat logger that keeps the latest scheduler stats."""
+
+    def __init__(self) -> None:
+        self.latest: Any = None
+
+    def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        sink = self
+
+        class _Logger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+                if scheduler_stats is not None:
+                    sink.latest = scheduler_stats
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return _Logger(vllm_config, engine_index)
+
+
+def position(entries: Any) -> list[Logprob]:
+    """vLLM's logprobs of one position ({token id: Logprob}, the sampled token first) as ours.
+    -inf becomes -9999.0, as vLLM's server writes it, so that the JSON stays valid."""
+    return [Logprob(id=int(t), logprob=max(float(lp.logprob), -9999.0), rank=lp.rank) for t, lp in entries.items()]
+
+
+def prompt_positions(prompt_ids: list[int], plp: Any) -> list[list[Logprob]]:
+    """vLLM's prompt logprobs (None for the first token, which nothing precedes)."""
+    return [[Logprob(id=prompt_ids[0])] if pos is None else position(pos) for pos in plp]
+
+
+def sampling_params(p: SamplingParams, eos_ids: list[int]) -> Any:
+    """Ours as vLLM's: ids out (``detokenize=False``), stop strings left to postprocess, the
+    model's EOS ids added to the stop ids unless ``ignore_eos``, deltas streamed."""
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    stop = list(dict.fromkeys(list(p.stop_token_ids) + ([] if p.ignore_eos else eos_ids)))
+    structured = None
+    if p.structured is not None:
+        structured = StructuredOutputsParams(json=p.structured.json_schema) if p.structured.json_schema is not None \
+            else StructuredOutputsParams(json_object=True)
+    return VSamplingParams(
+        max_tokens=p.max_tokens,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        seed=p.seed,
+        stop_token_ids=stop,
+        ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
+        prompt_logprobs=p.prompt_logprobs,
+        structured_outputs=structured,
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+    )
