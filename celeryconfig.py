@@ -3,27 +3,48 @@
 Values that vary per deployment come from the typed llmpipe Settings (LLMPIPE_* env).
 """
 
-from kombu import Queue
+from kombu import Exchange, Queue
 
+from llmpipe.redis_clients import celery_url, is_sentinel, sentinel_transport_options
+from llmpipe.redis_transport import transport_for
+from llmpipe.lanes import PRIORITY_STEPS
 from llmpipe.settings import get_settings
 
 _s = get_settings()
 
-broker_url = _s.redis_url
-result_backend = _s.redis_url
+# LLMPIPE_BROKER_URL; unset: Redis at redis_url. A sentinel:// URL goes to the Sentinel
+# transport (broker) and Celery's Sentinel backend, with the master's name in the transport
+# options below.
+broker_url = celery_url(_s.effective_broker_url)
+# kombu's Redis transport with worker leases (its Sentinel twin for sentinel://): a dead
+# worker's messages come back within lease_ttl_s + lease_sweep_interval_s, a live worker's
+# never (llmpipe/redis_transport.py). None (RabbitMQ): the URL's own transport.
+broker_transport = transport_for(_s.effective_broker_url)
+# Celery's Redis (or Sentinel) backend, with a bounded retry and a defined end when Redis is
+# down after a task's body (llmpipe/result_backend.py): the message is never left unacked.
+result_backend = ("llmpipe.result_backend:OutcomeSentinelBackend+" if is_sentinel(_s.redis_url)
+                  else "llmpipe.result_backend:OutcomeRedisBackend+") + celery_url(_s.redis_url)
+_sentinel_broker = sentinel_transport_options(_s.effective_broker_url, _s.redis_sentinel_master, socket_timeout=5,
+                                              socket_connect_timeout=3)
+_sentinel_backend = sentinel_transport_options(_s.redis_url, _s.redis_sentinel_master, socket_timeout=5,
+                                               socket_connect_timeout=3)
 
 # Workers import these; the API never does (it sends tasks by name).
 imports = ("workers.signals", "tasks.preprocess", "tasks.inference", "tasks.postprocess", "tasks.collect", "tasks.tokenize")
 
+# Several models (llmpipe/models/served.py): each has its own inference queue,
+# inference.<name>, so each is served and scaled on its own; the API names the queue when it
+# sends a job. "inference" stays declared: with one model it is that model's queue.
+_models = _s.served
 task_queues = (
     Queue("preprocess"),
-    Queue("inference"),
+    *(Queue(q) for q in dict.fromkeys(("inference", *_models.inference_queues))),
     Queue("postprocess"),
     Queue("collect"),
 )
 task_routes = {
     "llmpipe.preprocess": {"queue": "preprocess"},
-    "llmpipe.inference": {"queue": "inference"},
+    "llmpipe.inference": {"queue": _models.default.queue},
     "llmpipe.postprocess": {"queue": "postprocess"},
     "llmpipe.collect": {"queue": "collect"},
     "llmpipe.tokenize": {"queue": "preprocess"},  # POST /tokenize: the stage that tokenizes answers
@@ -50,9 +71,16 @@ task_reject_on_worker_lost = True
 worker_prefetch_multiplier = 1
 
 broker_transport_options = {
-    # An unacked message is redelivered after this many seconds: by default longer than any
-    # job may live (max_timeout_s + 60) so a slow but healthy task is never run twice
-    # (settings.visibility_timeout_s overrides it; the reliability tests shorten it).
+    # Priority lanes (llmpipe/lanes.py): each queue is one list per step, and consumers claim
+    # from the lowest step first (0: interactive, 9: batch), so a batch backlog never sits
+    # in front of an interactive request.
+    "priority_steps": list(PRIORITY_STEPS),
+    "queue_order_strategy": "priority",
+    # A worker silent this long is dead; every consumer sweeps for dead ones this often.
+    "lease_ttl": _s.lease_ttl_s,
+    "lease_sweep_interval": _s.lease_sweep_interval_s,
+    # The last resort, for a message that no live lease holds: redelivered after this many
+    # seconds, by default longer than any job may live (max_timeout_s + 60).
     "visibility_timeout": max(1, int(_s.effective_visibility_timeout_s)),
     # Scan for unacked messages of dead workers this often (kombu's default is ~100 s).
     "unacked_restore_interval": _s.unacked_restore_interval_s,
@@ -61,10 +89,11 @@ broker_transport_options = {
     # that adds to the recovery time; a sweep takes milliseconds, and restores are
     # transactions, so overlapping sweeps are safe.
     "unacked_mutex_expire": int(min(30, max(2, _s.effective_visibility_timeout_s / 5))),
+    **_sentinel_broker,
 }
 # Job results live this long; the API's job records share the same TTL.
 result_expires = _s.result_ttl_s
-result_backend_transport_options = {"retry_policy": {"timeout": 5.0}}
+result_backend_transport_options = {"retry_policy": {"timeout": 5.0}, **_sentinel_backend}
 
 broker_connection_retry_on_startup = True
 broker_connection_timeout = 4
@@ -81,3 +110,21 @@ worker_hijack_root_logger = False
 # level in the text (llmpipe/console_filter.py reads it).
 worker_redirect_stdouts_level = "INFO"
 worker_cancel_long_running_tasks_on_connection_loss = False
+
+# -- RabbitMQ (LLMPIPE_BROKER_URL=amqp://...; docs/reliability.md, "RabbitMQ") ------------
+# RabbitMQ returns a dead consumer's unacked messages to the queue itself when its
+# connection drops, so the Redis visibility options above do not apply there.
+if _s.broker_is_amqp:
+    # Quorum queues: replicated, durable, and they count deliveries (x-delivery-count).
+    # Topic exchanges, because Celery's native delayed delivery (countdown/ETA on quorum
+    # queues) routes through topic exchanges only.
+    task_queues = tuple(Queue(q.name, Exchange(q.name, type="topic"), routing_key=q.name,
+                              queue_arguments={"x-queue-type": "quorum"}) for q in task_queues)
+    task_default_queue_type = "quorum"
+    # Quorum queues refuse a global QoS: Celery then sets the prefetch per consumer.
+    worker_detect_quorum_queues = True
+    broker_transport_options = {
+        # Publisher confirms: apply_async returns once RabbitMQ has the message, so a job
+        # the API answered 202 for is in the queue, not in a socket buffer.
+        "confirm_publish": True,
+    }

@@ -6,16 +6,17 @@ import asyncio
 import contextlib
 from contextlib import asynccontextmanager
 
-import redis
 from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from api import errors
-from api.detok import Detokenizer
+from api.detok import Detokenizers
+from api.health import require_live_stages
 from api.jobs import JobService
 from api.metrics_route import build_registries
 from api.metrics_route import router as metrics_router
+from api.openapi import MethodsAllowed, document_errors
 from api.result_backend import polling_backend_url
 from api.routes_admin import router as admin_router
 from api.routes_jobs import router as jobs_router
@@ -23,16 +24,20 @@ from api.routes_openai import router as openai_router
 from api.routes_vllm import router as vllm_router
 from api.schemas import ErrorResponse
 from api.security import BodyLimit, require_key
+from api.validation import Limits, bind, prepared_model_path
 from api.waiter import JobWaiter
 from llmpipe.admission import Admission
 from llmpipe.jobs import JobStore
+from llmpipe.queue_depth import depth_reader
+from llmpipe.redis_clients import celery_url, fail_fast_retry, from_settings, sentinel_transport_options
+from llmpipe.redis_transport import transport_for
 from llmpipe.settings import Settings, get_settings
 
 
-def _model_path(settings: Settings) -> str:
+def _model_path(settings: Settings, source: str) -> str:
     from llmpipe.models.registry import resolve_model
 
-    return resolve_model(settings.model, settings.models_dir)
+    return resolve_model(source, settings.models_dir)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -40,12 +45,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     from llmpipe.celery_app import app as celery
 
     # The settings object passed in wins over the one celeryconfig read at import.
-    celery.conf.update(broker_url=settings.redis_url, result_backend=polling_backend_url(settings.redis_url))
-    r = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=2, health_check_interval=30)
-    admission = Admission(r, max_queue_depth=settings.max_queue_depth, max_queued_tokens=settings.max_queued_prompt_tokens)
-    detok = Detokenizer(lambda: _model_path(settings))
+    broker = settings.effective_broker_url
+    celery.conf.update(
+        broker_url=celery_url(broker), broker_transport=transport_for(broker),
+        result_backend=polling_backend_url(settings.redis_url),
+        broker_transport_options={**celery.conf.broker_transport_options,
+                                  **sentinel_transport_options(broker, settings.redis_sentinel_master)},
+        result_backend_transport_options={**celery.conf.result_backend_transport_options,
+                                          **sentinel_transport_options(settings.redis_url, settings.redis_sentinel_master)})
+    r = from_settings(settings, socket_timeout=5, socket_connect_timeout=2, health_check_interval=30, retry=fail_fast_retry())
+    # RabbitMQ: a sample serves 50 ms. Admission counts every job published since the
+    # sample as queued, so an older one would refuse a burst that the workers drain as it comes.
+    depths = depth_reader(settings.effective_broker_url, r, max_age_s=0.05)
+    # On Redis the admission script reads the queues itself (atomically); RabbitMQ's are read here.
+    admission = Admission(r, max_queue_depth=settings.max_queue_depth, max_queued_tokens=settings.max_queued_prompt_tokens,
+                          depths=depths if settings.broker_is_amqp else None, batch_share=settings.lane_batch_share)
+    # Each served model's tokenizer.json, for partial and streamed text (llmpipe/models/served.py).
+    detok = Detokenizers(settings.served, lambda source: _model_path(settings, source))
     service = JobService(celery, JobStore(r, settings.result_ttl_s), settings, admission, detok)
-    waiter = JobWaiter(settings.redis_url)
+    waiter = JobWaiter(settings.redis_url, master_name=settings.redis_sentinel_master)
 
     async def sample_drain() -> None:
         # The drain rate behind Retry-After: one sample of the drained-jobs counter a second.
@@ -60,6 +78,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         yield
         task.cancel()
         await waiter.close()
+        depths.close()
         r.close()
 
     app = FastAPI(
@@ -67,7 +86,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version="0.1.0",
         description=(
             "LLM serving on a Celery pipeline: preprocess (CPU) -> batched inference -> postprocess (CPU). "
-            "Errors always come as `{\"error\": {\"type\", \"message\", \"param\"}}`."
+            "Errors always come as `{\"error\": {\"type\", \"message\", \"param\", \"code\"}}`; each route lists "
+            "the statuses it can answer. The request schemas carry this server's limits (max_tokens_limit, max_n, "
+            "max_prompts_per_job, max_prompt_chars, max_logprobs); a request over one is 400 `limit_exceeded`."
         ),
         lifespan=lifespan,
         responses={k: {"model": ErrorResponse, **v} for k, v in errors.ERROR_RESPONSES.items() if k in (401, 403, 413, 422, 503)},
@@ -78,19 +99,27 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.redis = r
     errors.install(app)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    # The limits of these settings validate every request and appear in /openapi.json.
+    bind(app, Limits.from_settings(settings, model_paths=[lambda src=m.source: prepared_model_path(settings, src)
+                                                          for m in settings.served.models]),
+         post_process=lambda spec: document_errors(app, spec))
+    app.add_middleware(MethodsAllowed, routes_of=lambda: app.routes)
 
     auth = [Depends(require_key(settings.api_key_set))]
     app.include_router(jobs_router(service, waiter), dependencies=auth)
     app.include_router(openai_router(service, waiter, settings, detok), dependencies=auth)
-    app.include_router(metrics_router(build_registries(r)), dependencies=auth)
+    app.include_router(metrics_router(build_registries(depths, r, settings.served)), dependencies=auth)
     app.include_router(admin_router(r, settings.deadletter_ttl_s, settings.deadletter_max_entries), dependencies=auth)
     # vLLM's probes (/health, /ping, /version) need no key, as /healthz; /tokenize and /detokenize do.
     app.include_router(vllm_router(celery, r, waiter, settings, detok, auth))
 
     @app.get("/healthz", tags=["ops"], responses={503: {"model": ErrorResponse, **errors.ERROR_RESPONSES[503]}})
     def healthz():
-        """Liveness and Redis reachability; needs no API key."""
+        """Ready to serve: Redis answers and every stage has a live worker; else 503 naming
+        what is missing (``stages``; with several models, a model's
+        inference queue, such as ``inference.tiny``). Needs no API key. A stage whose last worker died is
+        seen within 15 s (the readiness keys' TTL)."""
         r.ping()
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "live_workers": require_live_stages(r, settings.served.readiness_stages())})
 
     return app

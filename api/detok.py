@@ -38,6 +38,19 @@ class Detokenizer:
         return self.tokenizer().decode(ids, skip_special_tokens=False)
 
 
+class Detokenizers:
+    """One Detokenizer per served model (llmpipe/models/served.py), each loaded on first use."""
+
+    def __init__(self, served, model_path):
+        """``model_path(source)``: the folder of a model's source (resolved when first needed)."""
+        self.served = served
+        self._by_name = {m.name: Detokenizer(lambda src=m.source: model_path(src)) for m in served.models}
+
+    def get(self, model: str | None = None) -> Detokenizer:
+        """The model's (None: the default); a name not served raises ModelNotFoundError."""
+        return self._by_name[self.served.get(model).name]
+
+
 class IncrementalText:
     """Text deltas from a growing list of token ids, in O(1) per token: the library's own
     streaming decoder (``DecodeStream``) keeps only the last few ids it needs. A token

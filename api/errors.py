@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from kombu.exceptions import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from llmpipe.errors import LlmpipeError, OverloadedError
+from llmpipe.errors import LlmpipeError, NoLiveWorkerError, OverloadedError
 from llmpipe.messages import ErrorReason
 
 log = logging.getLogger("llmpipe.api")
@@ -49,8 +49,9 @@ ERROR_TABLE: tuple[HttpError, ...] = (
     HttpError(400, ErrorReason.LIMIT_EXCEEDED, False, "A server limit was exceeded; the message names it"),
     HttpError(401, ErrorReason.UNAUTHORIZED, False, "Missing API key"),
     HttpError(403, ErrorReason.FORBIDDEN, False, "Wrong API key"),
-    HttpError(404, ErrorReason.NOT_FOUND, False, "Unknown job or model"),
-    HttpError(409, ErrorReason.CANCELLED, False, "The job was cancelled (DELETE) before it finished"),
+    HttpError(404, ErrorReason.NOT_FOUND, False, "Unknown job"),
+    HttpError(404, ErrorReason.MODEL_NOT_FOUND, False, "The request's model is not served here (GET /v1/models lists them)"),
+    HttpError(409, ErrorReason.CANCELLED, False, "The job was cancelled (or deleted) before it finished"),
     HttpError(409, ErrorReason.IDEMPOTENCY_KEY_IN_USE, True,
               "The first request with this Idempotency-Key is still being admitted; retry after Retry-After"),
     HttpError(413, ErrorReason.LIMIT_EXCEEDED, False, "Body too large (max_body_bytes)"),
@@ -60,8 +61,8 @@ ERROR_TABLE: tuple[HttpError, ...] = (
               "The engine failed on this request after isolation and retries (dead-lettered); sending it again fails again"),
     HttpError(429, ErrorReason.OVERLOADED, True, "A stage queue is full; retry after Retry-After seconds"),
     HttpError(500, ErrorReason.INTERNAL, False, "Internal error (the job failed in a task, or a bug); dead-lettered"),
-    HttpError(503, ErrorReason.UNAVAILABLE, True, ("Redis is unavailable, or (vLLM's /health, /tokenize) a stage has no ready worker; "
-                                                     "retry after Retry-After seconds")),
+    HttpError(503, ErrorReason.UNAVAILABLE, True, ("Redis is unavailable, or (/healthz, vLLM's /health, /tokenize) a stage has "
+                                                     "no live worker (``stages`` names them); retry after Retry-After seconds")),
     HttpError(504, ErrorReason.EXPIRED, False,
               "The request's deadline (timeout) passed before it finished; it is final, send a new request to try again"),
 )
@@ -108,6 +109,7 @@ def status_for(exc: LlmpipeError) -> int:
 
 def install(app: FastAPI) -> None:
     from api.disconnect import ClientGone
+    from api.schemas import UNION_TAGS
 
     @app.exception_handler(ClientGone)
     async def _gone(_: Request, exc: ClientGone):
@@ -123,6 +125,8 @@ def install(app: FastAPI) -> None:
             extra["stage"] = exc.stage
         elif row.retry:
             headers["Retry-After"] = str(max(1, round(getattr(exc, "retry_after_s", 2.0))))
+        if isinstance(exc, NoLiveWorkerError):
+            extra["stages"] = exc.stages
         return error_json(row.status, exc.reason, exc.message, exc.param, headers, **extra)
 
     @app.exception_handler(RequestValidationError)
@@ -131,7 +135,7 @@ def install(app: FastAPI) -> None:
         parts = []
         param = None
         for e in errs[:5]:
-            loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+            loc = [str(x) for x in e.get("loc", ()) if x != "body" and x not in UNION_TAGS]
             where = ".".join(loc) or "body"
             param = param or where
             parts.append(f"{where}: {e.get('msg')}")
@@ -146,8 +150,9 @@ def install(app: FastAPI) -> None:
         }.get(exc.status_code, ErrorReason.INVALID_REQUEST)
         return error_json(exc.status_code, reason, str(exc.detail), headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(redis.exceptions.ConnectionError)
+    @app.exception_handler(redis.exceptions.ConnectionError)  # also MasterNotFoundError (Sentinel)
     @app.exception_handler(redis.exceptions.TimeoutError)
+    @app.exception_handler(redis.exceptions.ReadOnlyError)  # a write that reached a demoted master
     @app.exception_handler(OperationalError)
     async def _redis_down(_: Request, exc: Exception):
         log.warning("redis unavailable: %s", exc)

@@ -1,4 +1,4 @@
-"""``/metrics``: this process's metrics plus every worker's, and live queue depths."""
+"""``/metrics``: this process's metrics plus every worker's, live queue depths and live workers per stage."""
 
 from __future__ import annotations
 
@@ -10,28 +10,52 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, 
 from prometheus_client.core import GaugeMetricFamily
 
 from llmpipe.admission import STAGE_QUEUES
+from llmpipe.readiness import STAGES, live_workers
 
 
 class QueueDepthCollector:
-    def __init__(self, r: Any):
-        self.r = r
+    """``depths``: a reader of llmpipe/queue_depth.py (Redis lists or RabbitMQ queues)."""
+
+    def __init__(self, depths: Any, queues: tuple[str, ...] = STAGE_QUEUES, models: dict[str, str] | None = None):
+        """``queues``: every stage queue, each model's inference queue included; ``models``:
+        queue -> the model it serves (an inference queue), for the ``model`` label."""
+        self.depths = depths
+        self.queues = queues
+        self.models = models or {}
 
     def collect(self):
-        g = GaugeMetricFamily("llmpipe_queue_depth_messages", "Messages waiting in each stage queue.", labels=["queue"])
-        pipe = self.r.pipeline(transaction=False)
-        queues = (*STAGE_QUEUES, "collect")
-        for q in queues:
-            pipe.llen(q)
+        g = GaugeMetricFamily("llmpipe_queue_depth_messages", "Messages waiting in each stage queue.",
+                              labels=["queue", "model"])
         try:
-            depths = pipe.execute()
-        except Exception:  # a scrape while Redis is down reports no depth rather than failing
+            sample = self.depths.sample((*self.queues, "collect"))
+        except Exception:  # a scrape while the broker is down reports no depth rather than failing
             return
-        for q, d in zip(queues, depths, strict=True):
-            g.add_metric([q], d)
+        for q, d in sample.depths.items():
+            g.add_metric([q, self.models.get(q, "")], d)  # "": a CPU queue, shared by every model
         yield g
 
 
-def build_registries(r: Any) -> list[CollectorRegistry]:
+class LiveWorkersCollector:
+    """Warm, live workers per stage, from the readiness keys (llmpipe/readiness.py): 0 for
+    15 s at most after a stage's last worker died."""
+
+    def __init__(self, r: Any, stages: tuple[str, ...] = STAGES):
+        self.r = r
+        self.stages = stages
+
+    def collect(self):
+        g = GaugeMetricFamily("llmpipe_stage_live_workers", "Warm workers alive for each stage (readiness keys).",
+                              labels=["stage"])
+        try:
+            counts = live_workers(self.r, self.stages)
+        except Exception:  # a scrape while Redis is down reports no count rather than failing
+            return
+        for stage, n in counts.items():
+            g.add_metric([stage], n)
+        yield g
+
+
+def build_registries(depths: Any, r: Any, served: Any = None) -> list[CollectorRegistry]:
     """Every process's metrics (multiprocess files, or this process alone) and the queue depths."""
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         from prometheus_client import multiprocess
@@ -41,7 +65,12 @@ def build_registries(r: Any) -> list[CollectorRegistry]:
     else:
         processes = REGISTRY
     live = CollectorRegistry()
-    live.register(QueueDepthCollector(r))
+    if served is None:
+        live.register(QueueDepthCollector(depths))
+        live.register(LiveWorkersCollector(r))
+    else:  # llmpipe/models/served.py ModelSet: each model's inference queue
+        live.register(QueueDepthCollector(depths, served.stage_queues(), {m.queue: m.name for m in served.models}))
+        live.register(LiveWorkersCollector(r, served.readiness_stages()))
     return [processes, live]
 
 

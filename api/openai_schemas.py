@@ -5,15 +5,20 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from typing import Annotated, Any, ClassVar
 
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from api.validation import (
+    Bool, Float, Int, Limit, LogprobsRange, OneError, Priority, Seed, TokenId, allowed_values, same_json,
+)
 from llmpipe.errors import BadRequestError
 from llmpipe.messages import ChatMessage, SamplingParams, StructuredOutput
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM: usage on every chunk (with include_usage)
+    include_usage: Bool = False
+    continuous_usage_stats: Bool = False  # vLLM: usage on every chunk (with include_usage)
 
 
 class JsonSchema(BaseModel):
@@ -21,10 +26,13 @@ class JsonSchema(BaseModel):
     name: str | None = None
     description: str | None = None
     json_schema: dict | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: Bool | None = None
 
 
 class ResponseFormat(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"if": {"properties": {"type": {"const": "json_schema"}}},
+                                                 "then": {"required": ["json_schema"],
+                                                          "properties": {"json_schema": {"type": "object"}}}})
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchema | None = None
 
@@ -52,56 +60,68 @@ _UNSUPPORTED: dict[str, tuple] = {
     "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
     "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "continue_final_message": (None, False), "chat_template": (None,), "chat_template_kwargs": (None, {}),
-    "documents": (None,), "mm_processor_kwargs": (None,), "priority": (None, 0), "kv_transfer_params": (None,),
+    "documents": (None,), "mm_processor_kwargs": (None,), "kv_transfer_params": (None,),
     "vllm_xargs": (None,), "thinking_token_budget": (None, -1), "repetition_detection": (None,),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
 }
 
 
+# Rules between fields, as JSON Schema: streaming takes no logprobs and no token ids, and
+# stream_options only with streaming (vLLM's rules; api/openai_features.py and the
+# validators below enforce them).
+_STREAM_RULES = {
+    "if": {"properties": {"stream": {"const": True}}, "required": ["stream"]},
+    "then": {"properties": {"prompt_logprobs": {"type": "null"}, "return_token_ids": {"enum": [None, False]}}},
+    "else": {"properties": {"stream_options": {"type": "null"}}},
+}
+
+
+def _schema_extra(unsupported: dict[str, tuple], rules: list[dict]):
+    def extra(schema: dict[str, Any]) -> None:
+        schema.setdefault("properties", {}).update(allowed_values(unsupported))
+        schema["allOf"] = rules
+    return extra
+
+
 class _Common(BaseModel):
     # Unknown fields are ignored, as vLLM and OpenAI's own server do; known ones that
-    # llmpipe does not implement are refused (_UNSUPPORTED).
-    model_config = ConfigDict(extra="allow")
+    # llmpipe does not implement are refused (_UNSUPPORTED) unless they ask for nothing.
+    model_config = ConfigDict(extra="allow", json_schema_extra=_schema_extra(_UNSUPPORTED, [_STREAM_RULES]))
+    _unsupported: ClassVar[dict[str, tuple]] = _UNSUPPORTED
 
     model: str | None = None
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
+    temperature: Float(ge=0.0, le=2.0) = 1.0
+    top_p: Float(gt=0.0, le=1.0) = 1.0
+    n: Int(Limit("max_n", param="n"), ge=1) = Field(default=1, description="Choices per prompt; at most max_n.")
+    seed: Seed | None = None
+    stop: Annotated[str | Annotated[list[str], Field(max_length=16)] | None,
+                    OneError("stop must be a string or a list of at most 16 strings")] = None
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    ignore_eos: Bool = False
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     user: str | None = None
-    timeout: float | None = Field(default=None, gt=0, description="llmpipe: seconds until the request expires.")
+    timeout: Float(gt=0) | None = Field(default=None, description="llmpipe: seconds until the request expires.")
     response_format: ResponseFormat | None = Field(
         default=None, description="json_object or json_schema: the output is JSON (the vllm engine's structured outputs).")
-    prompt_logprobs: int | None = Field(default=None, description="vLLM: log probabilities of each prompt token.")
-    return_tokens_as_token_ids: bool | None = Field(
+    prompt_logprobs: Int(LogprobsRange("prompt_logprobs", "prompt")) | None = Field(
+        default=None, description="vLLM: log probabilities of each prompt token; at most max_logprobs.")
+    return_tokens_as_token_ids: Bool | None = Field(
         default=None, description="vLLM: logprob tokens as 'token_id:<id>' instead of their text.")
-    return_token_ids: bool | None = Field(default=None, description="vLLM: token_ids and prompt_token_ids in the answer.")
+    return_token_ids: Bool | None = Field(default=None, description="vLLM: token_ids and prompt_token_ids in the answer.")
+    priority: Priority = 0
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
         for name, value in (self.model_extra or {}).items():
-            if name in _UNSUPPORTED and value not in _UNSUPPORTED[name]:
+            ok = self._unsupported.get(name)
+            if ok is not None and not any(same_json(value, v) for v in ok):
                 raise BadRequestError(f"`{name}` is not supported by llmpipe", param=name)
         if self.stream_options is not None and not self.stream:
             raise BadRequestError("Stream options can only be defined when `stream=True`.", param="stream_options")
-        if self.prompt_logprobs is not None:
-            if self.prompt_logprobs < -1:
-                raise BadRequestError("`prompt_logprobs` must be a positive value or -1.", param="prompt_logprobs")
-            if self.stream:
-                raise BadRequestError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+        if self.prompt_logprobs is not None and self.stream:
+            raise BadRequestError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
         return self
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v):
-        if isinstance(v, list) and len(v) > 16:
-            raise ValueError("at most 16 stop sequences")
-        return v
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -123,27 +143,34 @@ class _Common(BaseModel):
         return False
 
 
+_Text = Annotated[str, Field(min_length=1), Limit("max_prompt_chars", "length", param="prompt")]
+_Ids = Annotated[list[Int(Limit("max_token_id", param="prompt"), ge=0)], Field(min_length=1)]
+_Prompts = Limit("max_prompts_per_job", "items", param="prompt")
+
+
+def _completion_rules() -> list[dict]:
+    return [
+        {**_STREAM_RULES, "then": {"properties": {**_STREAM_RULES["then"]["properties"], "logprobs": {"type": "null"}}}},
+        # max_tokens 0: score the prompt only, with echo and without streaming (vLLM)
+        {"if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
+         "then": {"properties": {"echo": {"const": True}, "stream": {"const": False}}, "required": ["echo"]}},
+    ]
+
+
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
-        description="Text prompt(s), or token-id prompt(s): one list of ids, or a list of them.")
-    max_tokens: int | None = Field(default=16, ge=0, description="0 with echo: score the prompt only, as vLLM.")
-    echo: bool = False
-    logprobs: int | None = Field(default=None, description="Top logprobs per token (0: the sampled token's only).")
+    model_config = ConfigDict(json_schema_extra=_schema_extra(_UNSUPPORTED, _completion_rules()))
 
-    @field_validator("prompt")
-    @classmethod
-    def _nonempty(cls, v):
-        if (isinstance(v, str) and not v) or (isinstance(v, list) and (not v or any(
-                (isinstance(p, (str, list)) and not p) for p in v))):
-            raise ValueError("prompt must not be empty")
-        return v
-
-    @field_validator("logprobs")
-    @classmethod
-    def _logprobs(cls, v):
-        if v is not None and v < -1:
-            raise BadRequestError("`logprobs` must be a positive value or -1.", param="logprobs")
-        return v
+    prompt: Annotated[
+        _Text | Annotated[list[_Text], Field(min_length=1), _Prompts] | _Ids
+        | Annotated[list[_Ids], Field(min_length=1), _Prompts],
+        OneError("prompt must be a non-empty text, a list of them, a non-empty list of token ids, or a list of those"),
+    ] = Field(description="Text prompt(s), or token-id prompt(s): one list of ids, or a list of them; "
+                          "at most max_prompts_per_job prompts of at most max_prompt_chars characters.")
+    max_tokens: Int(Limit("max_tokens_limit", param="max_tokens"), ge=0) | None = Field(
+        default=16, description="At most max_tokens_limit; 0 with echo: score the prompt only, as vLLM.")
+    echo: Bool = False
+    logprobs: Int(LogprobsRange("logprobs", "sample")) | None = Field(
+        default=None, description="Top logprobs per token (0: the sampled token's only); at most max_logprobs.")
 
     @model_validator(mode="after")
     def _echo_only(self):
@@ -184,38 +211,50 @@ class CompletionRequest(_Common):
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Annotated[str, Limit("max_prompt_chars", "length", param="messages")]
 
 
 class ChatIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Annotated[str, Limit("max_prompt_chars", "length", param="messages")] | list[TextPart]
     name: str | None = None
+
+    def pieces(self) -> list[str]:
+        """The texts max_prompt_chars limits, as the schema states it: the content, or each part."""
+        return [self.content] if isinstance(self.content, str) else [p.text for p in self.content]
 
     def to_message(self) -> ChatMessage:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
         return ChatMessage(role="system" if self.role == "developer" else self.role, content=text)
 
 
+# Chat: besides _UNSUPPORTED, an echo (vLLM's chat has one) and a chat without the generation prompt.
+_CHAT_UNSUPPORTED = {**_UNSUPPORTED, "echo": (None, False), "add_generation_prompt": (None, True)}
+_CHAT_RULES = [
+    {**_STREAM_RULES, "then": {"properties": {**_STREAM_RULES["then"]["properties"], "logprobs": {"const": False}}}},
+    # top_logprobs asks for something only with logprobs: true (vLLM)
+    {"anyOf": [{"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+               {"properties": {"top_logprobs": {"enum": [0, None]}}}]},
+]
+
+
 class ChatCompletionRequest(_Common):
+    model_config = ConfigDict(json_schema_extra=_schema_extra(_CHAT_UNSUPPORTED, _CHAT_RULES))
+    _unsupported: ClassVar[dict[str, tuple]] = _CHAT_UNSUPPORTED
+
     messages: list[ChatIn] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=0, description="With logprobs: this many top tokens per position.")
+    max_tokens: Int(Limit("max_tokens_limit", param="max_tokens"), ge=1) | None = Field(
+        default=None, description="At most max_tokens_limit; default: the server's default_max_tokens.")
+    max_completion_tokens: Int(Limit("max_tokens_limit", param="max_completion_tokens"), ge=1) | None = None
+    logprobs: Bool = False
+    top_logprobs: Int(LogprobsRange("top_logprobs", "sample", over_param="logprobs")) | None = Field(
+        default=0, description="With logprobs: this many top tokens per position; at most max_logprobs.")
 
     @model_validator(mode="after")
     def _top_logprobs(self):
-        t = self.top_logprobs
-        if t is not None and t < -1:
-            raise BadRequestError("`top_logprobs` must be a positive value or -1.", param="top_logprobs")
-        if t and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:
             raise BadRequestError("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
-        if (self.model_extra or {}).get("echo"):
-            raise BadRequestError("`echo` is not supported by llmpipe for chat", param="echo")
-        if (self.model_extra or {}).get("add_generation_prompt") is False:
-            raise BadRequestError("`add_generation_prompt` is not supported by llmpipe", param="add_generation_prompt")
         return self
 
     def sample_logprobs(self) -> int | None:

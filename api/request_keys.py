@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from llmpipe.messages import ErrorReason
 
 HEADER = "Idempotency-Key"
 MAX_KEY_LEN = 255
+# Printable ASCII, as the IETF draft's sf-string; the same rule is in the OpenAPI schema.
+KEY_PATTERN = re.compile(rf"[\x20-\x7e]{{1,{MAX_KEY_LEN}}}")
 
 # KEYS: the claim hash. ARGV: new job id, fingerprint, claim TTL, job key prefix, attach (1/0)
 _CLAIM = """
@@ -85,8 +88,8 @@ def request_key(header: str | None, *, api_key: str | None, path: str, body: Any
     """The request's key, or None without the header. ``body`` is the parsed request model."""
     if header is None:
         return None
-    if not header or len(header) > MAX_KEY_LEN or not header.isprintable():
-        raise BadRequestError(f"{HEADER} must be 1 to {MAX_KEY_LEN} printable characters", param=HEADER)
+    if not KEY_PATTERN.fullmatch(header):
+        raise BadRequestError(f"{HEADER} must be 1 to {MAX_KEY_LEN} printable ASCII characters", param=HEADER)
     scope = hashlib.sha256(api_key.encode()).hexdigest()[:16] if api_key else "anonymous"
     digest = hashlib.sha256(header.encode()).hexdigest()
     dumped = body.model_dump(mode="json") if hasattr(body, "model_dump") else body

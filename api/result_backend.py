@@ -1,9 +1,11 @@
 """A Redis result backend for processes that poll results and never wait on them."""
 
-from celery.backends.redis import RedisBackend
+from celery.backends.redis import RedisBackend, SentinelBackend
+
+from llmpipe.redis_clients import celery_url, is_sentinel
 
 
-class PollingRedisBackend(RedisBackend):
+class _Polling:
     """Celery's Redis backend subscribes to a pub/sub channel for every task it sends and
     every chord it builds, and keeps the subscription until the result is fetched. The
     API only polls, so it subscribes to nothing."""
@@ -18,5 +20,14 @@ class PollingRedisBackend(RedisBackend):
         return result
 
 
+class PollingRedisBackend(_Polling, RedisBackend):
+    pass
+
+
+class PollingSentinelBackend(_Polling, SentinelBackend):
+    """The same over Redis Sentinel (``sentinel://`` URLs, llmpipe/redis_clients.py)."""
+
+
 def polling_backend_url(redis_url: str) -> str:
-    return f"{__name__}:PollingRedisBackend+{redis_url}"
+    cls = PollingSentinelBackend if is_sentinel(redis_url) else PollingRedisBackend
+    return f"{__name__}:{cls.__name__}+{celery_url(redis_url)}"

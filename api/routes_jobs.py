@@ -1,28 +1,24 @@
-"""The polling job API: POST /v1/jobs, GET /v1/jobs/{id}[?wait=], DELETE /v1/jobs/{id}."""
+"""The polling job API: POST /v1/jobs, GET /v1/jobs/{id}[?wait=], POST /v1/jobs/{id}/cancel,
+DELETE /v1/jobs/{id}."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 
-import redis.exceptions
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
-from api.errors import ERROR_RESPONSES
 from api.jobs import JobService
 from api.request_keys import HEADER, request_key
-from api.schemas import ErrorResponse, JobCreate, JobCreated, JobView
+from api.schemas import JobCreate, JobCreated, JobView
 from api.waiter import JobWaiter
 from llmpipe.errors import UnavailableError
+from llmpipe.redis_clients import UNAVAILABLE_ERRORS
 
-_REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+_REDIS_DOWN = UNAVAILABLE_ERRORS
 REPLAYED_HEADER = "Idempotent-Replayed"
-
-
-def _errs(*codes: int) -> dict:
-    return {c: {"model": ErrorResponse, **ERROR_RESPONSES[c]} for c in codes}
 
 
 def bearer(request: Request) -> str | None:
@@ -66,7 +62,8 @@ async def wait_view(service: JobService, waiter: JobWaiter, job_id: str, wait: f
 def router(service: JobService, waiter: JobWaiter) -> APIRouter:
     rt = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
-    @rt.post("", status_code=202, response_model=JobCreated, responses=_errs(400, 409, 422, 429))
+    # Error statuses are documented from api/openapi.py ROUTE_ERRORS.
+    @rt.post("", status_code=202, response_model=JobCreated)
     def create_job(body: JobCreate, request: Request,
                    idempotency_key: str | None = Header(None, alias=HEADER, description=(
                        "Makes retries safe: a POST with a key that was used before (same API key, same body) "
@@ -81,16 +78,25 @@ def router(service: JobService, waiter: JobWaiter) -> APIRouter:
             return JSONResponse(created.model_dump(mode="json"), status_code=202, headers={REPLAYED_HEADER: "true"})
         return created
 
-    @rt.get("/{job_id}", response_model=JobView, name="get_job", responses=_errs(404, 503))
+    @rt.get("/{job_id}", response_model=JobView, name="get_job")
     async def get_job(job_id: str, wait: float = Query(0.0, ge=0.0, le=60.0, description="Long-poll: wait up to this many seconds for the job to finish.")) -> JobView:
         """Status (queued, running, succeeded, failed, expired, cancelled); the text so far while
         it runs; the result when done."""
         return await wait_view(service, waiter, job_id, wait)
 
-    @rt.delete("/{job_id}", response_model=JobView, responses=_errs(404))
+    @rt.post("/{job_id}/cancel", response_model=JobView)
     def cancel_job(job_id: str) -> JobView:
-        """Cancel a job: queued work never runs, and running engine requests are aborted.
-        A job that already ended is returned unchanged: an ended job never changes."""
+        """Cancel a job: queued work never runs, and running engine requests are aborted. The
+        job stays readable (``cancelled``). A job that already ended is returned unchanged: an
+        ended job never changes."""
         return service.cancel(job_id)
+
+    @rt.delete("/{job_id}", response_model=JobView)
+    def delete_job(job_id: str) -> JobView:
+        """Delete a job: cancelled first if it has not ended (as ``/cancel``), then forgotten:
+        a later GET is 404. Answers the job as it was last."""
+        view = service.cancel(job_id)
+        service.store.delete(job_id)
+        return view
 
     return rt

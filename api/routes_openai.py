@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import time
 
-import redis.asyncio as aioredis
 from fastapi import APIRouter, Header, Request
 from starlette.concurrency import run_in_threadpool
 
-from api.detok import Detokenizer
+from api.detok import Detokenizers
 from api.disconnect import unless_disconnected
 from api.errors import ERROR_RESPONSES
 from api.jobs import JobService
@@ -22,8 +21,9 @@ from api.routes_jobs import REPLAYED_HEADER, bearer, wait_view
 from api.schemas import ErrorResponse, JobView
 from api.sse import JobStream, stream_job
 from api.waiter import JobWaiter
-from llmpipe.errors import BadRequestError, ExpiredError, LlmpipeError, NotFoundError
+from llmpipe.errors import BadRequestError, ExpiredError, LlmpipeError
 from llmpipe.messages import ErrorReason, JobStatus
+from llmpipe.redis_clients import afrom_settings
 from llmpipe.settings import Settings
 
 _ERRS = {c: {"model": ErrorResponse, **ERROR_RESPONSES[c]} for c in (400, 404, 409, 422, 424, 429, 500, 503, 504)}
@@ -47,15 +47,15 @@ def _usage(view: JobView, n: int = 1) -> UsageOut:
     return UsageOut(prompt_tokens=prompt, completion_tokens=u.completion_tokens, total_tokens=prompt + u.completion_tokens)
 
 
-def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: Detokenizer) -> APIRouter:
+def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: Detokenizers) -> APIRouter:
     rt = APIRouter(prefix="/v1", tags=["openai"])
-    served = settings.model
-    aredis = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2)
+    served = settings.served  # llmpipe/models/served.py
+    aredis = afrom_settings(settings, socket_connect_timeout=2)
 
     def check_model(name: str | None) -> str:
-        if name is None or name == served or name.rstrip("/").split("/")[-1] == served.rstrip("/").split("/")[-1]:
-            return served
-        raise NotFoundError(f"model {name!r} is not served here; this server serves {served!r}", param="model")
+        """The served model's id for the request's ``model`` (None: the default); 404
+        ``model_not_found`` for one not served (ModelNotFoundError, api/errors.py)."""
+        return served.get(name).id
 
     def limits(n: int) -> None:
         if n > settings.max_n:
@@ -69,7 +69,7 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
         params = [params_for(k) for _ in inputs for k in range(n)]
         sub = await run_in_threadpool(
             service.submit_inputs, job_inputs, params, timeout=timeout, stream=stream, kind="openai", key=key,
-            waiting=True)
+            waiting=True, choices=n, priority=body.priority, model=body.model)
         job_id = sub.job_id
         if stream:
             def usage_chunk(view: JobView) -> dict:
@@ -77,7 +77,7 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
 
             gen = stream_job(
                 job_id=job_id, n_choices=len(job_inputs), stops=stops, service=service, waiter=waiter, aredis=aredis,
-                detok=detok, chunk=lambda i, t, f: chunk(job_id, i, t, f), first=first(job_id),
+                detok=detok.get(body.model), chunk=lambda i, t, f: chunk(job_id, i, t, f), first=first(job_id),
                 usage_chunk=usage_chunk if include_usage else None, deadline=sub.deadline,
                 continuous_usage=include_usage and continuous_usage, stop_ids=body.stop_token_ids)
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -102,8 +102,8 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
 
     @rt.get("/models", response_model=ModelList)
     def models() -> ModelList:
-        """The one model this pipeline serves."""
-        return ModelList(data=[ModelCard(id=served)])
+        """Every model this pipeline serves; the first is the default (a request without ``model``)."""
+        return ModelList(data=[ModelCard(id=m.id) for m in served.models])
 
     @rt.post("/completions", response_model=CompletionResponse, responses=_ERRS)
     async def completions(req: CompletionRequest, request: Request,
@@ -118,7 +118,7 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
         def first(job_id):  # echo: the prompt comes first, as vLLM streams it
             if not req.echo:
                 return []
-            texts = [echo_text(inp, None if "prompt" in inp else detok.decode_with_special(inp["prompt_token_ids"]))
+            texts = [echo_text(inp, None if "prompt" in inp else detok.get(req.model).decode_with_special(inp["prompt_token_ids"]))
                      for inp in inputs]
             return [chunk(job_id, i, texts[i // req.n], None) for i in range(len(inputs) * req.n)]
 
@@ -164,7 +164,8 @@ def router(service: JobService, waiter: JobWaiter, settings: Settings, detok: De
                                           **chat_extras(results, req))
 
         messages = [m.to_message() for m in req.messages]
-        return await run(request, idempotency_key, req, [{"messages": messages}], lambda k: req.sampling(max_tokens, k),
+        pieces = [t for m in req.messages for t in m.pieces()]
+        return await run(request, idempotency_key, req, [{"messages": messages, "limit_pieces": pieces}], lambda k: req.sampling(max_tokens, k),
                          req.n, req.stream,
                          req.timeout, build, chunk, first, req.stops(),
                          bool(req.stream_options and req.stream_options.include_usage),

@@ -3,7 +3,7 @@
 
 * ``/health`` (and ``/ping``, SageMaker's name for it) answers 200 with an empty body once
   Redis answers and every stage has a ready worker (llmpipe/readiness.py), else 503 with
-  the error body naming what is missing. ``/healthz`` (liveness) stays as it was.
+  the error body naming what is missing: the same check as ``/healthz`` (api/health.py).
 * ``/tokenize`` is answered by the preprocess stage (the ``llmpipe.tokenize`` task), so
   the ids are exactly those a request would carry to the engine; ``/detokenize`` decodes
   in the API with the model's tokenizer.json, special tokens kept, as vLLM does.
@@ -15,20 +15,22 @@ import asyncio
 import contextlib
 import uuid
 from importlib import metadata
-from typing import Annotated, Literal
+from typing import Literal
 
 from fastapi import APIRouter
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
-from api.detok import Detokenizer
+from api.detok import Detokenizers
 from api.errors import ERROR_RESPONSES
+from api.health import require_live_stages
 from api.openai_schemas import ChatIn
 from api.schemas import ErrorResponse
+from api.validation import MAX_TOKEN_ID, Bool, Int
 from api.waiter import JobWaiter
 from llmpipe import __version__
-from llmpipe.errors import BadRequestError, NotFoundError, UnavailableError
+from llmpipe.errors import BadRequestError, NoLiveWorkerError, UnavailableError
 from llmpipe.readiness import missing_stages
 from llmpipe.settings import Settings
 
@@ -39,17 +41,17 @@ class TokenizeCompletionRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: bool | None = False
+    add_special_tokens: Bool = True
+    return_token_strs: Bool | None = False
 
 
 class TokenizeChatRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    messages: list[ChatIn]
-    add_generation_prompt: bool = True
-    add_special_tokens: bool = False
-    return_token_strs: bool | None = False
+    messages: list[ChatIn] = Field(min_length=1)
+    add_generation_prompt: Bool = True
+    add_special_tokens: Bool = False
+    return_token_strs: Bool | None = False
 
 
 class TokenizeResponse(BaseModel):
@@ -62,7 +64,8 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0, le=2**63 - 1)]]
+    # Larger ids are 400 naming `tokens`, as vLLM answers (no vocabulary is that large).
+    tokens: list[Int(ge=0, json_schema_extra={"maximum": MAX_TOKEN_ID})]
 
 
 class DetokenizeResponse(BaseModel):
@@ -82,25 +85,24 @@ def _version(*dists: str) -> str | None:
     return None
 
 
-def router(celery, r, waiter: JobWaiter, settings: Settings, detok: Detokenizer, auth: list) -> APIRouter:
+def router(celery, r, waiter: JobWaiter, settings: Settings, detok: Detokenizers, auth: list) -> APIRouter:
     rt = APIRouter(tags=["vllm"])
-    served = settings.model
+    served = settings.served  # llmpipe/models/served.py
 
-    def check_model(name: str | None) -> None:
-        if name is None or name == served or name.rstrip("/").split("/")[-1] == served.rstrip("/").split("/")[-1]:
-            return
-        raise NotFoundError(f"model {name!r} is not served here; this server serves {served!r}", param="model")
+    def check_model(name: str | None) -> str:
+        """The served model's name (None: the default); 404 ``model_not_found`` otherwise."""
+        return served.get(name).name
 
     def health_response() -> Response:
         # Not ready is UnavailableError: api/errors.py gives it its status (503), Retry-After
         # and x-should-retry, as every other error.
         try:
             r.ping()
-            missing = missing_stages(r)
+            require_live_stages(r, served.readiness_stages())
+        except NoLiveWorkerError:
+            raise
         except Exception as exc:
             raise UnavailableError("the queue (Redis) is unavailable") from exc
-        if missing:
-            raise UnavailableError(f"no ready worker for: {', '.join(missing)}")
         return Response(status_code=200)
 
     health_doc = {200: {"description": "Ready: every stage has a worker"},
@@ -134,8 +136,9 @@ def router(celery, r, waiter: JobWaiter, settings: Settings, detok: Detokenizer,
     async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         """vLLM's /tokenize: a prompt, or chat messages through the chat template, to the ids the
         pipeline would give the engine (answered by a preprocess worker)."""
-        check_model(req.model)
-        body: dict = {"add_special_tokens": req.add_special_tokens, "return_token_strs": bool(req.return_token_strs)}
+        # The preprocess worker tokenizes with this model's tokenizer (it serves every model).
+        body: dict = {"add_special_tokens": req.add_special_tokens, "return_token_strs": bool(req.return_token_strs),
+                      "model": check_model(req.model)}
         if isinstance(req, TokenizeChatRequest):
             body.update(messages=[m.to_message().model_dump() for m in req.messages],
                         add_generation_prompt=req.add_generation_prompt)
@@ -152,11 +155,11 @@ def router(celery, r, waiter: JobWaiter, settings: Settings, detok: Detokenizer,
     @rt.post("/detokenize", response_model=DetokenizeResponse, responses=errs, dependencies=auth)
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         """vLLM's /detokenize: token ids to text, special tokens kept."""
-        check_model(req.model)
-        big = next((t for t in req.tokens if t >= 2**32), None)
+        model = check_model(req.model)
+        big = next((t for t in req.tokens if t > MAX_TOKEN_ID), None)
         if big is not None:  # no vocabulary is that large (the tokenizer's ids are 32-bit)
             raise BadRequestError(f"Token id {big} is out of vocabulary", param="tokens")
-        return DetokenizeResponse(prompt=await run_in_threadpool(detok.decode_with_special, req.tokens))
+        return DetokenizeResponse(prompt=await run_in_threadpool(detok.get(model).decode_with_special, req.tokens))
 
     return rt
 

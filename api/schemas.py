@@ -2,41 +2,85 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing import Annotated, Any
 
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+
+from api.validation import Bool, Float, Int, Limit, Priority, Seed, TokenId
 from llmpipe.messages import ChatMessage, ErrorReason, JobResult, JobStatus, SamplingParams
 
 
-class JobCreate(BaseModel):
-    """Exactly one of ``prompt``, ``prompts`` or ``messages``."""
-
+class _JobParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    prompt: str | None = Field(default=None, min_length=1, description="One plain-text prompt.")
-    prompts: list[str] | None = Field(default=None, min_length=1, description="Several prompts, answered in order.")
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1, description="A chat; the model's chat template applies.")
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
-    ignore_eos: bool = False
-    timeout: float | None = Field(default=None, gt=0, description="Seconds until the job expires; capped by the server.")
-
-    @model_validator(mode="after")
-    def _one_input(self) -> JobCreate:
-        given = [n for n in ("prompt", "prompts", "messages") if getattr(self, n) is not None]
-        if len(given) != 1:
-            raise ValueError("exactly one of prompt, prompts or messages is required" + (f" (got {', '.join(given)})" if given else ""))
-        if self.prompts is not None and any(not p for p in self.prompts):
-            raise ValueError("prompts must not contain empty strings")
-        return self
+    max_tokens: Int(Limit("max_tokens_limit", param="max_tokens"), ge=1) | None = Field(
+        default=None, description="At most max_tokens_limit; default: the server's default_max_tokens.")
+    temperature: Float(ge=0.0, le=2.0) = 1.0
+    top_p: Float(gt=0.0, le=1.0) = 1.0
+    seed: Seed | None = None
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
+    ignore_eos: Bool = False
+    timeout: Float(gt=0) | None = Field(default=None, description="Seconds until the job expires; capped by the server (max_timeout_s).")
+    priority: Priority = 0
+    model: str | None = Field(default=None, description=(
+        "A served model (GET /v1/models lists them); default: the first. One not served is 404 model_not_found."))
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         return SamplingParams(
             max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature, top_p=self.top_p,
             seed=self.seed, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
         )
+
+
+# A prompt's text: not empty, at most max_prompt_chars characters.
+PromptText = Annotated[str, Field(min_length=1), Limit("max_prompt_chars", "length", param="prompt")]
+
+
+class JobMessage(ChatMessage):
+    content: Annotated[str, Limit("max_prompt_chars", "length", param="messages")]
+
+
+class JobPrompt(_JobParams):
+    """One plain-text prompt."""
+
+    prompt: PromptText
+    prompts: None = None
+    messages: None = None
+
+
+class JobPrompts(_JobParams):
+    """Several prompts, answered in order."""
+
+    prompts: Annotated[list[PromptText], Field(min_length=1), Limit("max_prompts_per_job", "items", param="prompts")]
+    prompt: None = None
+    messages: None = None
+
+
+class JobMessages(_JobParams):
+    """A chat; the model's chat template applies."""
+
+    messages: list[JobMessage] = Field(min_length=1)
+    prompt: None = None
+    prompts: None = None
+
+
+_INPUTS = {"prompt": "JobPrompt", "prompts": "JobPrompts", "messages": "JobMessages"}
+UNION_TAGS = frozenset(_INPUTS.values())  # in a validation error's loc; api/errors.py leaves them out
+
+
+def _which_input(body: Any) -> str | None:
+    get = body.get if isinstance(body, dict) else lambda k: getattr(body, k, None)
+    given = [k for k in _INPUTS if get(k) is not None]
+    return _INPUTS[given[0]] if len(given) == 1 else None
+
+
+# The body of POST /v1/jobs: exactly one of prompt, prompts or messages (oneOf in the schema).
+JobCreate = Annotated[
+    Annotated[JobPrompt, Tag("JobPrompt")] | Annotated[JobPrompts, Tag("JobPrompts")]
+    | Annotated[JobMessages, Tag("JobMessages")],
+    Discriminator(_which_input, custom_error_type="invalid_input",
+                  custom_error_message="exactly one of prompt, prompts or messages is required"),
+]
 
 
 class JobCreated(BaseModel):

@@ -25,6 +25,7 @@ def require_key(keys: frozenset[str]):
         if not any(hmac.compare_digest(cred.credentials, k) for k in keys):
             raise HTTPException(403, "invalid API key")
 
+    check.llmpipe_api_key = True  # api/openapi.py documents 401 and 403 on these routes
     return check
 
 

@@ -26,9 +26,11 @@ from api.jobs import JobService
 from api.schemas import JobView
 from api.waiter import JobWaiter
 from llmpipe.messages import ErrorReason, JobStatus
-from llmpipe.streaming import PromptInfo, apply_entries, stream_key
+from llmpipe.streaming import PromptInfo, apply_entries, is_end, stream_key
 
 log = logging.getLogger("llmpipe.api")
+
+FALLBACK_S = 1.0  # a silent stream's record is read this often (the end marker wakes it first)
 
 # chunk(index, text_delta, finish_reason) -> the OpenAI chunk object for one choice
 ChunkFn = Callable[[int, str, str | None], dict]
@@ -104,15 +106,21 @@ async def stream_job(
 
     for obj in first:
         yield sse(obj)
+    # The job's terminal move appends an end marker to its stream (llmpipe/jobs.py), after
+    # every token published before the end: one blocking read wakes at each new entry and
+    # at the end, with nothing to poll. The record is read when the marker came and, as a
+    # safety net, when the stream stayed silent for FALLBACK_S or the waiter woke (its
+    # reconnects; a record that ended without a marker).
     async with waiter.watch(job_id) as woken:
-        # Read after the watch began, so an end that lands in between is not missed; each
-        # wake-up is a hint to read the record again.
-        view = await run_in_threadpool(service.view, job_id, False)
-        ended = view.status.terminal
+        view: JobView | None = None
+        ended = False
         while True:
-            resp = await aredis.xread({stream_key(job_id): last}, count=256, block=None if ended else 50)
+            wait_ms = max(1, int(min(FALLBACK_S, deadline + 5 - time.time()) * 1000))
+            resp = await aredis.xread({stream_key(job_id): last}, count=256, block=None if ended else wait_ms)
+            marked = False
             for _, entries in resp or []:
                 last = entries[-1][0]
+                marked = marked or any(is_end(f) for _, f in entries)
                 for i, new in apply_entries(entries, ids, prompts).items():
                     if i < n_choices:
                         delta = (await choice(i)).push(new)
@@ -120,12 +128,16 @@ async def stream_job(
                             yield sse(with_usage(chunk(i, delta, None), i))
             if ended and not resp:
                 break  # every token published before the end has been sent
-            if not ended and woken.is_set():
+            if marked or not resp or woken.is_set():
                 woken.clear()
                 view = await run_in_threadpool(service.view, job_id, False)
-                ended = view.status.terminal
+                if view.status.terminal and marked:
+                    break  # the marker follows every token published before the end
+                ended = view.status.terminal  # (no marker: one more read drains the stream)
             if not ended and time.time() > deadline + 5:
                 break  # nothing ended the job; it is settled expired below
+    if view is None:
+        view = await run_in_threadpool(service.view, job_id, False)
     if not view.status.terminal:  # (an ended record never changes: no need to read it again)
         await run_in_threadpool(service.expire, job_id, "the job did not finish by its deadline")
         view = await run_in_threadpool(service.view, job_id, False)

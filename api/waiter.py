@@ -33,6 +33,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from llmpipe.jobs import done_channel
+from llmpipe.redis_clients import DEFAULT_MASTER, aconnect
 
 log = logging.getLogger("llmpipe.api")
 
@@ -40,8 +41,10 @@ PLACEHOLDER = "llmpipe:waiter"  # keeps the connection in subscribed mode with n
 
 
 class JobWaiter:
-    def __init__(self, redis_url: str, *, confirm_timeout_s: float = 2.0, backoff_max_s: float = 1.0):
+    def __init__(self, redis_url: str, *, master_name: str = DEFAULT_MASTER, confirm_timeout_s: float = 2.0,
+                 backoff_max_s: float = 1.0):
         self._url = redis_url
+        self._master_name = master_name
         self.confirm_timeout_s = confirm_timeout_s
         self.backoff_max_s = backoff_max_s
         self._watchers: dict[str, set[asyncio.Event]] = {}
@@ -138,8 +141,8 @@ class JobWaiter:
 
     async def _connect(self) -> None:
         # No retries inside redis-py: an error must reach _run, which resubscribes everything.
-        client = aioredis.Redis.from_url(self._url, socket_connect_timeout=2, socket_keepalive=True,
-                                         retry=Retry(NoBackoff(), 0))
+        client = aconnect(self._url, self._master_name, socket_connect_timeout=2, socket_keepalive=True,
+                          retry=Retry(NoBackoff(), 0))
         ps = client.pubsub()
         try:
             channels = [PLACEHOLDER, *self._watchers]

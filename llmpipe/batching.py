@@ -101,6 +101,16 @@ class Batcher(Generic[T]):
     With ``concurrent_batches > 1`` (engines with continuous batching) a new batch is
     dispatched while earlier ones still run, so requests join the running engine batch.
     Otherwise batches run one at a time and requests gather while the engine is busy.
+
+    ``capped`` and ``cap``: at most ``cap`` items for which ``capped(item)`` is true are in
+    the engine at once (dispatched, their batch not yet returned); the others wait here,
+    behind nothing, while uncapped items pass them. The batch lane's share of the engine's
+    running slots (vLLM's ``max_num_seqs``), so an interactive request finds a free slot and
+    shares its steps with fewer batch requests: vLLM admits by priority but never preempts a
+    running request for a waiting one while the KV cache has room (llmpipe/lanes.py).
+    With ``cap_hold_s`` the cap holds only for that long after the last uncapped item came:
+    a batch-only load keeps every slot (work-conserving), and the first interactive request
+    after a quiet spell brings the cap back as the running batch requests finish.
     """
 
     def __init__(
@@ -113,12 +123,26 @@ class Batcher(Generic[T]):
         company_expected: Callable[[], bool] | None = None,
         on_batch: Callable[[int, float], None] | None = None,
         clock: Clock = time.monotonic,
+        order: Callable[[T], Any] | None = None,
+        capped: Callable[[T], bool] | None = None,
+        cap: int | None = None,
+        cap_hold_s: float | None = None,
     ):
         self._run_batch = run_batch
         self._window = BatchWindow(window_s, max_size, clock)
         self._clock = clock
         self._company_expected = company_expected or (lambda: True)
         self._on_batch = on_batch
+        # A batch takes the pending items with the smallest keys first, arrival order among
+        # equals (vLLM's priority: the interactive lane before a batch backlog).
+        self._order = order
+        if (capped is None) != (cap is None) or (cap is not None and cap < 1):
+            raise ValueError("capped and cap go together, and cap must be >= 1")
+        self._capped = capped
+        self._cap = cap
+        self._capped_in_flight = 0
+        self._cap_hold_s = cap_hold_s
+        self._uncapped_at: float | None = None  # when the last uncapped item was submitted
         self._cond = threading.Condition()
         self._pending: list[_Pending[T]] = []
         self._stopping = False
@@ -142,6 +166,8 @@ class Batcher(Generic[T]):
             if not self._pending:
                 self._window.open(now)
             self._pending.append(_Pending(item, fut, now))
+            if self._capped is not None and not self._capped(item):
+                self._uncapped_at = now
             self._cond.notify_all()
         return fut
 
@@ -167,6 +193,33 @@ class Batcher(Generic[T]):
             log.debug("company_expected probe failed", exc_info=True)
             return True
 
+    def _is_capped(self, p: _Pending[T]) -> bool:
+        return self._capped is not None and bool(self._capped(p.item))
+
+    def _cap_holds(self, now: float | None = None) -> bool:
+        if self._capped is None or self._stopping:
+            return False
+        if self._cap_hold_s is None:
+            return True
+        if self._uncapped_at is None:
+            return False
+        if now is None:
+            now = self._clock()
+        return now - self._uncapped_at < self._cap_hold_s
+
+    def _cap_lifts_in(self) -> float | None:
+        """Seconds until the cap stops holding by itself (None: only a returning batch frees it)."""
+        if self._cap_hold_s is None or self._uncapped_at is None:
+            return None
+        return max(0.0, self._uncapped_at + self._cap_hold_s - self._clock())
+
+    def _eligible(self) -> int:
+        """How many pending items may go to the engine now (the cap holds the rest back)."""
+        if not self._cap_holds():
+            return len(self._pending)
+        capped = sum(1 for p in self._pending if self._is_capped(p))
+        return len(self._pending) - capped + min(capped, max(0, self._cap - self._capped_in_flight))
+
     def _take_batch(self) -> list[_Pending[T]] | None:
         with self._cond:
             while True:
@@ -174,7 +227,10 @@ class Batcher(Generic[T]):
                     self._cond.wait()
                 if self._stopping and not self._pending:
                     return None
-                size = len(self._pending)
+                size = self._eligible()
+                if size == 0:  # only capped items, and the cap is full: wait for a batch to return
+                    self._cond.wait(timeout=self._cap_lifts_in())
+                    continue
                 if self._stopping or self._window.ready(size):  # full, or the window has passed
                     break
                 # The probe is a network round trip (LLEN): made without the lock, so that
@@ -184,16 +240,46 @@ class Batcher(Generic[T]):
                     expected = self._expect_company()
                 finally:
                     self._cond.acquire()
-                size = len(self._pending)
+                size = self._eligible()
                 if self._stopping or self._window.ready(size, company_expected=expected and size < self._window.max_size):
                     break
                 self._cond.wait(timeout=self._window.remaining())
-            batch = self._pending[: self._window.max_size]
-            del self._pending[: self._window.max_size]
+            if self._order is not None and (len(self._pending) > self._window.max_size or self._capped is not None):
+                self._pending.sort(key=lambda p: self._order(p.item))  # stable: arrival order among equals
+            batch = self._select()
             self._window.close()
             if self._pending:
-                self._window.open(self._pending[0].arrived)
+                self._window.open(min(p.arrived for p in self._pending))
             return batch
+
+    def _select(self) -> list[_Pending[T]]:
+        """Takes the batch out of the pending items, in their order, within the cap."""
+        m = self._window.max_size
+        if not self._cap_holds():
+            batch = self._pending[:m]
+            del self._pending[:m]
+        else:
+            batch = self._select_within_cap(m)
+        if self._capped is not None:
+            self._capped_in_flight += sum(1 for p in batch if self._is_capped(p))
+        return batch
+
+    def _select_within_cap(self, m: int) -> list[_Pending[T]]:
+        room = max(0, self._cap - self._capped_in_flight)
+        batch, rest = [], []
+        for p in self._pending:
+            if len(batch) >= m:
+                rest.append(p)
+            elif self._is_capped(p):
+                if room > 0:
+                    room -= 1
+                    batch.append(p)
+                else:
+                    rest.append(p)
+            else:
+                batch.append(p)
+        self._pending = rest
+        return batch
 
     def _loop(self) -> None:
         while True:
@@ -227,4 +313,8 @@ class Batcher(Generic[T]):
                 else:
                     p.future.set_result(r)
         finally:
+            if self._capped is not None:
+                with self._cond:
+                    self._capped_in_flight -= sum(1 for p in batch if self._is_capped(p))
+                    self._cond.notify_all()
             self._slots.release()

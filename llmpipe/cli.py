@@ -39,7 +39,9 @@ def load_settings(**overrides) -> Settings:
 
 
 @main.command()
-@click.option("--model", help="smollm2 (default), tiny, a local model folder, or a hub id.")
+@click.option("--model", multiple=True, metavar="[NAME=]MODEL",
+              help="smollm2 (default), tiny, a local model folder, or a hub id. Repeat it to serve several "
+                   "models, each with its own inference worker and queue inference.<name>.")
 @click.option("--engine", type=click.Choice([e.value for e in EngineKind]), help="Inference engine.")
 @click.option("--redis-url", help="Use this Redis (it must answer), or 'embedded' for a Redis of llmpipe's own. "
               "Default: the configured one when it answers, else an embedded one.")
@@ -72,7 +74,7 @@ def up(model, engine, redis_url, cpu_workers, batch_window_ms, max_batch_size, p
         passed = parse_pairs(engine_args) or None
     except EngineArgError as exc:
         raise click.ClickException(str(exc)) from None
-    s = load_settings(model=model, engine=engine, redis_url=redis_url, cpu_workers=cpu_workers,
+    s = load_settings(**_model_overrides(model), engine=engine, redis_url=redis_url, cpu_workers=cpu_workers,
                       batch_window_ms=batch_window_ms, max_batch_size=max_batch_size, api_port=port,
                       flower_port=flower_port, state_dir=state_dir, engine_args=passed)
     if print_config:
@@ -87,20 +89,33 @@ def up(model, engine, redis_url, cpu_workers, batch_window_ms, max_batch_size, p
                     ready_timeout=ready_timeout, verbose=verbose))
 
 
+def _model_overrides(specs: tuple[str, ...]) -> dict:
+    """``--model`` given: the served list (llmpipe/models/served.py); not given: nothing."""
+    if not specs:
+        return {}
+    return {"models": list(specs)}
+
+
 @main.command()
 @click.argument("kind", type=click.Choice(["preprocess", "inference", "postprocess", "collect"]))
+@click.option("--model", help="inference only: the served model (by name) whose queue it serves; default the first.")
 @click.option("--concurrency", "-c", type=int)
 @click.option("--name", "-n", help="Worker node name (default KIND@hostname).")
 @click.option("--loglevel", "-l", default="INFO")
 @click.option("--print", "print_only", is_flag=True, help="Print the celery command line instead of running it.")
-def worker(kind, concurrency, name, loglevel, print_only):
+def worker(kind, model, concurrency, name, loglevel, print_only):
     """Run one Celery worker for one queue (the celery command line of README.md)."""
+    from llmpipe.errors import ModelNotFoundError
     from workers.launch import celery_command, worker_argv
 
-    if print_only:
-        click.echo(celery_command(kind, load_settings(), concurrency=concurrency, name=name, loglevel=loglevel))
-        return
-    argv = worker_argv(kind, load_settings(), concurrency=concurrency, name=name, loglevel=loglevel)
+    s = load_settings()
+    try:
+        if print_only:
+            click.echo(celery_command(kind, s, concurrency=concurrency, name=name, loglevel=loglevel, model=model))
+            return
+        argv = worker_argv(kind, s, concurrency=concurrency, name=name, loglevel=loglevel, model=model)
+    except ModelNotFoundError as exc:
+        raise click.ClickException(exc.message) from None
     os.environ["LLMPIPE_WORKER_KIND"] = kind
     os.execv(argv[0], argv)
 
@@ -133,23 +148,26 @@ def flower(port, address):
 
 
 @main.command()
-@click.argument("name", type=click.Choice(["tiny", "smollm2"]))
-@click.option("--dest", type=click.Path(), help="Output folder (default: the state dir's models/).")
-def model(name, dest):
-    """Prepare a model offline: the tiny test Llama or SmolLM2-135M-Instruct."""
+@click.argument("names", nargs=-1, required=True, type=click.Choice(["tiny", "smollm2"]))
+@click.option("--dest", type=click.Path(), help="Output folder (default: the state dir's models/); one model only.")
+def model(names, dest):
+    """Prepare models offline: the tiny test Llama and/or SmolLM2-135M-Instruct (each once)."""
     from pathlib import Path
 
     from llmpipe.models.registry import resolve_model
 
     s = load_settings()
-    if dest:
-        from llmpipe.models.smollm2 import prepare_smollm2
-        from llmpipe.models.tiny import build_tiny
+    if dest and len(names) > 1:
+        raise click.ClickException("--dest takes one model")
+    for name in dict.fromkeys(names):
+        if dest:
+            from llmpipe.models.smollm2 import prepare_smollm2
+            from llmpipe.models.tiny import build_tiny
 
-        path = (build_tiny if name == "tiny" else prepare_smollm2)(Path(dest))
-    else:
-        path = resolve_model(name, s.models_dir, progress=True)
-    click.echo(str(path))
+            path = (build_tiny if name == "tiny" else prepare_smollm2)(Path(dest))
+        else:
+            path = resolve_model(name, s.models_dir, progress=True)
+        click.echo(str(path))
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
@@ -161,10 +179,11 @@ def deadletter(ctx):
     sys.exit(deadletter_main(ctx.args))
 
 
-from llmpipe.client_cli import chat, submit  # noqa: E402
+from llmpipe.client_cli import cancel, chat, submit  # noqa: E402
 
 main.add_command(submit)
 main.add_command(chat)
+main.add_command(cancel)
 
 try:  # the benchmark brings its own heavier imports
     from llmpipe.bench.cli import bench  # noqa: E402

@@ -1,4 +1,4 @@
-"""``llmpipe submit`` and ``llmpipe chat``: a small client of a running API.
+"""``llmpipe submit``, ``llmpipe chat`` and ``llmpipe cancel``: a small client of a running API.
 
 It submits one job, then long-polls ``GET /v1/jobs/{id}?wait=N`` with a spinner until the
 job is done, and prints the text (``--json``: the whole job view). Exit code 0 when the
@@ -119,3 +119,21 @@ def chat(message, system, url, max_tokens, temperature, timeout, as_json):
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": message}]
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": temperature}
     _print(run_job(url, body, timeout, Console(stderr=True)), as_json)
+
+
+@click.command()
+@click.argument("job_id")
+@click.option("--delete", is_flag=True, help="Also forget the job: a later GET answers 404.")
+@click.option("--url", default=_default_url, show_default="$LLMPIPE_URL or http://127.0.0.1:8000",
+              help="The API's base URL.")
+def cancel(job_id, delete, url):
+    """Cancel a job (POST /v1/jobs/{id}/cancel; it stays readable), or delete it (--delete:
+    DELETE /v1/jobs/{id}, cancelled first if it still runs). Prints its last status."""
+    try:
+        with httpx.Client(base_url=url.rstrip("/"), timeout=10.0, headers=_headers()) as http:
+            r = http.delete(f"/v1/jobs/{job_id}") if delete else http.post(f"/v1/jobs/{job_id}/cancel")
+    except httpx.HTTPError as exc:
+        raise click.ClickException(f"talking to {url}: {type(exc).__name__}: {exc}") from None
+    if r.status_code != 200:
+        raise click.ClickException(f"job {job_id}: {r.status_code}: {_error_text(r)}")
+    click.echo(f"job {job_id}: {r.json().get('status')}" + (" (deleted)" if delete else ""))

@@ -100,8 +100,7 @@ def _format(entries: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m llmpipe.deadletter``: list (or purge) the dead letters of LLMPIPE_REDIS_URL."""
-    import redis
-
+    from llmpipe.redis_clients import connect
     from llmpipe.settings import get_settings
 
     ap = argparse.ArgumentParser(prog="llmpipe deadletter", description=main.__doc__)
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--purge", action="store_true", help="delete every entry")
     args = ap.parse_args(argv)
     s = get_settings()
-    r = redis.Redis.from_url(args.redis_url or s.redis_url, socket_connect_timeout=3, socket_timeout=5)
+    r = connect(args.redis_url or s.redis_url, s.redis_sentinel_master, socket_connect_timeout=3, socket_timeout=5)
     dl = DeadLetters(r, ttl_s=s.deadletter_ttl_s, max_entries=s.deadletter_max_entries)
     if args.purge:
         print(f"purged {dl.purge()} dead letters")

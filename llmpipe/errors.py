@@ -37,6 +37,12 @@ class NotFoundError(LlmpipeError):
     reason = ErrorReason.NOT_FOUND
 
 
+class ModelNotFoundError(NotFoundError):
+    """The request names a model that is not served here."""
+
+    reason = ErrorReason.MODEL_NOT_FOUND
+
+
 class OverloadedError(LlmpipeError):
     """A stage is backed up; retry later."""
 
@@ -52,6 +58,15 @@ class UnavailableError(LlmpipeError):
     """A dependency (Redis) is down."""
 
     reason = ErrorReason.UNAVAILABLE
+
+
+class NoLiveWorkerError(UnavailableError):
+    """A stage of the pipeline has no live worker: jobs would wait until one comes back."""
+
+    def __init__(self, stages: list[str], *, retry_after_s: float = 5.0):
+        super().__init__(f"no live worker for: {', '.join(stages)}")
+        self.stages = stages
+        self.retry_after_s = retry_after_s
 
 
 class EngineError(LlmpipeError):

@@ -7,8 +7,8 @@ never corrupted; but a second run of inference would cost engine time and could 
 *different* generation (sampling). So each stage that is expensive or non-deterministic
 runs through :class:`StageMemo`:
 
-1. ``begin``: one round trip reads the result stored for this (request, stage), if any,
-   and counts the delivery;
+1. ``begin``: one round trip counts the delivery; a redelivery (count > 1) then reads the
+   result stored for this (request, stage), if any;
 2. a stored result is returned as is (a *replay*): the engine does not run again;
 3. otherwise the stage runs and ``finish`` stores its result with HSETNX: the first
    result stored wins, and a concurrent duplicate returns the winner, never its own; a
@@ -81,10 +81,12 @@ class StageMemo:
         key = memo_key(request_id)
         try:
             pipe = self.r.pipeline(transaction=False)
-            pipe.hget(key, stage)
             pipe.hincrby(key, f"{stage}:n", 1)
             pipe.expireat(key, int(max(deadline, self._clock()) + self.slack_s) + 1)
-            raw, n, _ = pipe.execute()
+            n, _ = pipe.execute()
+            # A first delivery finds nothing stored: whatever stored a result counted its
+            # own delivery first. Only a later one reads (one more round trip, rare).
+            raw = self.r.hget(key, stage) if int(n) > 1 else None
         except Exception as exc:  # redis trouble: run without the memo
             log.warning("request=%s stage=%s memo unavailable (%s); running without it", request_id, stage, exc)
             return Claim(None, 0)
@@ -94,14 +96,13 @@ class StageMemo:
         """Store ``value`` unless a result is already stored; return (the stored result, ours?)."""
         key = memo_key(request_id)
         try:
-            pipe = self.r.pipeline(transaction=False)
-            pipe.hsetnx(key, stage, json.dumps(value, separators=(",", ":")))
-            pipe.hget(key, stage)
-            stored, raw = pipe.execute()
+            if self.r.hsetnx(key, stage, json.dumps(value, separators=(",", ":"))):
+                return value, True
+            raw = self.r.hget(key, stage)  # a duplicate stored first (rare): its result wins
         except Exception as exc:
             log.warning("request=%s stage=%s result not memoised (%s)", request_id, stage, exc)
             return value, True
-        if stored or not raw:
+        if not raw:
             return value, True
         return json.loads(raw), False
 

@@ -11,11 +11,12 @@ record per job, a hash at ``llmpipe:job:{id}``:
 ``result``     JSON ``JobResult``, written by the chord callback (``collect``) with the status
 ``waiters``    HTTP requests waiting on the job (OpenAI endpoints); when the last one goes
                away (client disconnect) the job is cancelled (``abandoned`` = 1)
+``stream``     1 when a client streams its tokens: the terminal move marks the stream's end
 =============  =============================================================================
 
 Every move is one Lua script (``_MOVE``): a job moves to ``running`` only from ``queued``,
 and to a terminal status only from a non-terminal one. The first terminal write wins and
-never changes: a DELETE or a watchdog expiry that lands after ``collect`` changes nothing,
+never changes: a cancel or a watchdog expiry that lands after ``collect`` changes nothing,
 and a result that arrives after a cancel is dropped. A terminal move also drops the job
 from the watchdog's deadline index, optionally raises the cancel flag that workers check
 (and broadcasts it), and publishes on the job's done channel, which the API's waiters
@@ -32,6 +33,7 @@ from typing import Any
 from llmpipe.cancel import CHANNEL as CANCEL_CHANNEL
 from llmpipe.cancel import cancel_key
 from llmpipe.messages import JobResult, JobStatus
+from llmpipe.streaming import STREAM_TTL_S, stream_key
 
 _KEY = "llmpipe:job:{}"
 KEY_PREFIX = "llmpipe:job:"
@@ -43,12 +45,16 @@ def done_channel(job_id: str) -> str:
     return f"llmpipe:job-done:{job_id}"
 
 
-# KEYS: job hash, done channel, deadline index, cancel flag, cancel channel
-# ARGV: status, now, error JSON or '', result JSON or '', cancel flag TTL (0: none), job id, mode
+# KEYS: job hash, done channel, deadline index, cancel flag, cancel channel, token stream
+# ARGV: status, now, error JSON or '', result JSON or '', cancel flag TTL (0: none), job id, mode,
+#       token stream TTL
+# A streaming job's terminal move also appends an end marker (field ``e``: the status) to its
+# token stream, which wakes the SSE reader blocked on it (api/sse.py).
 # mode 'abandon': one waiter left; the job is cancelled only when it was the last one.
 # Returns -1 unknown job, 0 not moved, 1 moved, 2 other waiters remain.
 _MOVE = """
-local cur = redis.call('HGET', KEYS[1], 'status')
+local rec = redis.call('HMGET', KEYS[1], 'status', 'stream')
+local cur = rec[1]
 if not cur then return -1 end
 if ARGV[7] == 'abandon' then
   if redis.call('HINCRBY', KEYS[1], 'waiters', -1) > 0 then return 2 end
@@ -59,18 +65,35 @@ if ARGV[1] == 'running' then
   redis.call('HSET', KEYS[1], 'status', 'running', 'updated_at', ARGV[2])
   return 1
 end
-redis.call('HSET', KEYS[1], 'status', ARGV[1], 'updated_at', ARGV[2])
-if ARGV[3] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[3]) end
-if ARGV[4] ~= '' then redis.call('HSET', KEYS[1], 'result', ARGV[4]) end
-if ARGV[7] == 'abandon' then redis.call('HSET', KEYS[1], 'abandoned', '1') end
+local fields = {'status', ARGV[1], 'updated_at', ARGV[2]}
+if ARGV[3] ~= '' then table.insert(fields, 'error'); table.insert(fields, ARGV[3]) end
+if ARGV[4] ~= '' then table.insert(fields, 'result'); table.insert(fields, ARGV[4]) end
+if ARGV[7] == 'abandon' then table.insert(fields, 'abandoned'); table.insert(fields, '1') end
+redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('ZREM', KEYS[3], ARGV[6])
 if tonumber(ARGV[5]) > 0 then
   redis.call('SET', KEYS[4], '1', 'EX', ARGV[5])
   redis.call('PUBLISH', KEYS[5], ARGV[6])
 end
+if rec[2] == '1' then
+  redis.call('XADD', KEYS[6], '*', 'e', ARGV[1])
+  redis.call('EXPIRE', KEYS[6], ARGV[8])
+end
 redis.call('PUBLISH', KEYS[2], ARGV[1])
 return 1
 """
+
+
+# A stage starts work on a job: queued -> running; returns the status it found (nil: no record).
+_START = """
+local cur = redis.call('HGET', KEYS[1], 'status')
+if cur == 'queued' then redis.call('HSET', KEYS[1], 'status', 'running', 'updated_at', ARGV[1]) end
+return cur
+"""
+
+# Entries of the deadline index whose records are long gone are trimmed once per this many
+# creates: the index stays bounded without a watchdog, at no cost per job.
+TRIM_EVERY = 256
 
 
 @dataclass
@@ -112,13 +135,17 @@ class JobStore:
         self.r = redis_client
         self.ttl_s = ttl_s
         self._move = self.r.register_script(_MOVE)
+        self._start = self.r.register_script(_START)
+        self._creates = 0
 
     @staticmethod
     def key(job_id: str) -> str:
         return _KEY.format(job_id)
 
     def create(self, job_id: str, *, n_prompts: int, deadline: float, kind: str = "job",
-               meta: dict | None = None, now: float | None = None, pipe: Any = None, waiters: int = 0) -> None:
+               meta: dict | None = None, now: float | None = None, pipe: Any = None, waiters: int = 0,
+               stream: bool = False) -> None:
+        """``stream``: a client reads the job's token stream; its end is marked in the stream."""
         if now is None:
             now = time.time()
         p = pipe if pipe is not None else self.r.pipeline(transaction=False)
@@ -128,13 +155,17 @@ class JobStore:
             fields["meta"] = json.dumps(meta)
         if waiters:
             fields["waiters"] = waiters
+        if stream:
+            fields["stream"] = 1
         p.hset(self.key(job_id), mapping=fields)
         p.expire(self.key(job_id), self.ttl_s)
         # The watchdog settles the job at its deadline if nothing else has by then. A terminal
         # move removes it; entries whose records are long gone (no watchdog ran) are trimmed
         # here, so the index stays bounded without one.
         p.zadd(DEADLINE_INDEX, {job_id: deadline})
-        p.zremrangebyscore(DEADLINE_INDEX, "-inf", now - self.ttl_s)
+        if self._creates % TRIM_EVERY == 0:
+            p.zremrangebyscore(DEADLINE_INDEX, "-inf", now - self.ttl_s)
+        self._creates += 1
         if pipe is None:
             p.execute()
 
@@ -146,9 +177,19 @@ class JobStore:
              cancel_ttl_s: int = 0, mode: str = "set", now: float | None = None) -> int:
         if now is None:
             now = time.time()
-        keys = [self.key(job_id), done_channel(job_id), DEADLINE_INDEX, cancel_key(job_id), CANCEL_CHANNEL]
-        args = [status.value, now, json.dumps(error) if error else "", result, int(cancel_ttl_s), job_id, mode]
+        keys = [self.key(job_id), done_channel(job_id), DEADLINE_INDEX, cancel_key(job_id), CANCEL_CHANNEL,
+                stream_key(job_id)]
+        args = [status.value, now, json.dumps(error) if error else "", result, int(cancel_ttl_s), job_id, mode,
+                STREAM_TTL_S]
         return int(self._move(keys=keys, args=args))
+
+    def start(self, job_id: str, now: float | None = None) -> JobStatus | None:
+        """A stage starts on the job: it moves to running if it was queued. Returns the
+        status it had (a terminal one: the stage need not work on it), None without a record."""
+        if now is None:
+            now = time.time()
+        cur = self._start(keys=[self.key(job_id)], args=[now])
+        return JobStatus(cur.decode() if isinstance(cur, bytes) else cur) if cur else None
 
     def transition(self, job_id: str, status: JobStatus, error: dict | None = None, now: float | None = None,
                    result: str | None = None) -> bool:
@@ -164,9 +205,18 @@ class JobStore:
                                result=result.model_dump_json(exclude_none=True))
 
     def stop(self, job_id: str, status: JobStatus, error: dict, now: float | None = None) -> bool:
-        """Settle a job that must not run any more (DELETE, deadline): the workers see the
+        """Settle a job that must not run any more (cancel, deadline): the workers see the
         cancel flag and the inference worker aborts its running requests."""
         return self._run(job_id, status, error=error, cancel_ttl_s=self.ttl_s, now=now) == 1
+
+    def delete(self, job_id: str, now: float | None = None) -> bool:
+        """Forget the job (DELETE): a job that has not ended is cancelled first, so its workers
+        stop; then the record goes, and a result that arrives later finds none to write."""
+        self.stop(job_id, JobStatus.CANCELLED, {"type": "cancelled", "message": "deleted by the client"}, now=now)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.delete(self.key(job_id))
+        pipe.zrem(DEADLINE_INDEX, job_id)
+        return bool(pipe.execute()[0])
 
     def abandon(self, job_id: str, now: float | None = None) -> int:
         """A waiting HTTP client went away; the job is cancelled if no other one waits on it.

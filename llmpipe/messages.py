@@ -40,6 +40,7 @@ class ErrorReason(StrEnum):
     CANCELLED = "cancelled"
     UNAVAILABLE = "unavailable"
     NOT_FOUND = "not_found"
+    MODEL_NOT_FOUND = "model_not_found"  # the request names a model this server does not serve (OpenAI's code)
     UNAUTHORIZED = "unauthorized"
     FORBIDDEN = "forbidden"
     INTERNAL = "internal_error"
@@ -148,6 +149,12 @@ class _Envelope(_Msg):
     timings: list[StageTiming] = Field(default_factory=list)
     error: StageError | None = None
     stream: bool = False  # publish tokens as they are produced (SSE clients)
+    # vLLM's priority (lower is sooner): picks the lane (llmpipe/lanes.py), orders the
+    # inference batcher and goes to the engine.
+    priority: int = 0
+    # The served model's name (llmpipe/models/served.py): the CPU stages pick its tokenizer,
+    # and the API sent the inference task to its queue. None: the default (first) model.
+    model: str | None = None
 
     @property
     def request_id(self) -> str:

@@ -23,31 +23,33 @@ from llmpipe.messages import StageTiming  # noqa: E402
 
 _LAT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
-STAGE_QUEUE_WAIT = Histogram("llmpipe_stage_queue_wait_seconds", "Time a message waited in a stage's queue.", ["stage"], buckets=_LAT)
-STAGE_RUN = Histogram("llmpipe_stage_run_seconds", "Time a stage spent on one message.", ["stage"], buckets=_LAT)
-BATCH_SIZE = Histogram("llmpipe_batch_size_requests", "Requests per engine batch.", buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128))
-BATCH_WAIT = Histogram("llmpipe_batch_wait_seconds", "Time the first request of a batch waited for the batch to form.", buckets=_LAT)
-TTFT = Histogram("llmpipe_time_to_first_token_seconds", "From job submission to the engine's first output token.", buckets=_LAT)
-E2E = Histogram("llmpipe_e2e_latency_seconds", "From job submission to its collected result.", buckets=_LAT)
+# ``model``: the served model's name (llmpipe/models/served.py), so that each model's
+# latency and batching read on their own when several share the API.
+STAGE_QUEUE_WAIT = Histogram("llmpipe_stage_queue_wait_seconds", "Time a message waited in a stage's queue.", ["stage", "model"], buckets=_LAT)
+STAGE_RUN = Histogram("llmpipe_stage_run_seconds", "Time a stage spent on one message.", ["stage", "model"], buckets=_LAT)
+BATCH_SIZE = Histogram("llmpipe_batch_size_requests", "Requests per engine batch.", ["model"], buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128))
+BATCH_WAIT = Histogram("llmpipe_batch_wait_seconds", "Time the first request of a batch waited for the batch to form.", ["model"], buckets=_LAT)
+TTFT = Histogram("llmpipe_time_to_first_token_seconds", "From job submission to the engine's first output token.", ["model"], buckets=_LAT)
+E2E = Histogram("llmpipe_e2e_latency_seconds", "From job submission to its collected result.", ["model"], buckets=_LAT)
 ADMITTED = Counter("llmpipe_requests_admitted_total", "Jobs accepted by admission control.")
 REJECTED = Counter("llmpipe_requests_rejected_total", "Jobs rejected by admission control.", ["reason"])
 FINISHED = Counter("llmpipe_jobs_finished_total", "Jobs that reached a terminal state.", ["status"])
 EXPIRED = Counter("llmpipe_requests_expired_total", "Prompts that passed their deadline.", ["stage"])
 CANCELLED = Counter("llmpipe_requests_cancelled_total", "Prompts cancelled by their client.", ["stage"])
 ENGINE_ABORTS = Counter("llmpipe_engine_aborts_total", "Requests the engine stopped generating (cancel, client gone, deadline).")
-ENGINE_RUNNING = Gauge("llmpipe_engine_running_requests", "Requests the engine is generating.", multiprocess_mode="mostrecent")
-ENGINE_WAITING = Gauge("llmpipe_engine_waiting_requests", "Requests waiting inside the engine.", multiprocess_mode="mostrecent")
-ENGINE_KV = Gauge("llmpipe_engine_kv_cache_usage_ratio", "Share of the KV cache in use (0-1).", multiprocess_mode="mostrecent")
-BATCHER_PENDING = Gauge("llmpipe_batcher_pending_requests", "Requests waiting in the inference worker's batcher.", multiprocess_mode="mostrecent")
+ENGINE_RUNNING = Gauge("llmpipe_engine_running_requests", "Requests the engine is generating.", ["model"], multiprocess_mode="mostrecent")
+ENGINE_WAITING = Gauge("llmpipe_engine_waiting_requests", "Requests waiting inside the engine.", ["model"], multiprocess_mode="mostrecent")
+ENGINE_KV = Gauge("llmpipe_engine_kv_cache_usage_ratio", "Share of the KV cache in use (0-1).", ["model"], multiprocess_mode="mostrecent")
+BATCHER_PENDING = Gauge("llmpipe_batcher_pending_requests", "Requests waiting in the inference worker's batcher.", ["model"], multiprocess_mode="mostrecent")
 
 
-def observe_stage(t: StageTiming) -> None:
-    observe_stage_times(t.stage.value, t.queue_wait_s, t.run_s)
+def observe_stage(t: StageTiming, model: str) -> None:
+    observe_stage_times(t.stage.value, t.queue_wait_s, t.run_s, model)
 
 
-def observe_stage_times(stage: str, queue_wait_s: float, run_s: float) -> None:
-    STAGE_QUEUE_WAIT.labels(stage).observe(queue_wait_s)
-    STAGE_RUN.labels(stage).observe(run_s)
+def observe_stage_times(stage: str, queue_wait_s: float, run_s: float, model: str) -> None:
+    STAGE_QUEUE_WAIT.labels(stage, model).observe(queue_wait_s)
+    STAGE_RUN.labels(stage, model).observe(run_s)
 
 
 def observe_error(reason: str | None, stage: str) -> None:

@@ -1,10 +1,12 @@
-"""Which stages have a worker ready to serve, for the API's ``GET /health``.
+"""Which stages have a worker ready to serve, for the API's ``GET /health`` and
+``GET /healthz`` and the ``llmpipe_stage_live_workers`` gauge.
 
 vLLM's ``/health`` answers 200 once its engine can serve and 503 otherwise, and clients
 probe it before they send work. Here the engine lives in another process, so each worker,
 once warm (the inference worker after its engine loaded), keeps a short-lived key per
 stage it serves in Redis; the API reads them. A worker that dies stops refreshing its keys
-and they expire within ``ttl_s``; one that shuts down deletes them at once.
+and they expire within ``ttl_s`` (15 s: 10-15 s after a SIGKILL, since the last refresh
+was 0-5 s before it); one that shuts down deletes them at once.
 """
 
 from __future__ import annotations
@@ -64,13 +66,22 @@ class ReadinessBeacon:
             log.debug("could not clear readiness keys", exc_info=True)
 
 
-def ready_stages(r: Any) -> set[str]:
+def live_workers(r: Any, stages: tuple[str, ...] = STAGES) -> dict[str, int]:
+    """How many warm, live workers each stage has now (every one of ``stages`` named, 0
+    included). With several models each model's inference queue is a stage of its own
+    (``inference.tiny``, llmpipe/models/served.py ModelSet.readiness_stages)."""
+    counts = dict.fromkeys(stages, 0)
+    for k in r.scan_iter(match=f"{_PREFIX}*", count=1000):
+        stage = (k.decode() if isinstance(k, bytes) else k).removeprefix(_PREFIX).split(":", 1)[0]
+        counts[stage] = counts.get(stage, 0) + 1
+    return counts
+
+
+def ready_stages(r: Any, stages: tuple[str, ...] = STAGES) -> set[str]:
     """The stages with at least one ready worker now."""
-    return {k.decode().removeprefix(_PREFIX).split(":", 1)[0] if isinstance(k, bytes)
-            else k.removeprefix(_PREFIX).split(":", 1)[0]
-            for k in r.scan_iter(match=f"{_PREFIX}*", count=1000)}
+    return {stage for stage, n in live_workers(r, stages).items() if n}
 
 
-def missing_stages(r: Any) -> list[str]:
-    ready = ready_stages(r)
-    return [s for s in STAGES if s not in ready]
+def missing_stages(r: Any, stages: tuple[str, ...] = STAGES) -> list[str]:
+    ready = ready_stages(r, stages)
+    return [s for s in stages if s not in ready]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import redis
 
+from llmpipe.redis_clients import DEFAULT_MASTER, connect
 from llmpipe.supervisor import die_with_parent
 
 
@@ -46,9 +47,13 @@ def redis_binary() -> str:
     return found
 
 
-def redis_answers(url: str, timeout: float = 1.0) -> bool:
+def redis_answers(url: str, timeout: float = 1.0, master_name: str = DEFAULT_MASTER) -> bool:
     try:
-        return bool(redis.Redis.from_url(url, socket_connect_timeout=timeout, socket_timeout=timeout).ping())
+        r = connect(url, master_name, socket_connect_timeout=timeout, socket_timeout=timeout)
+        try:
+            return bool(r.ping())
+        finally:
+            r.close()
     except (redis.exceptions.RedisError, OSError):
         return False
 

@@ -14,10 +14,10 @@ import tomllib
 from enum import StrEnum
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
 
 class EngineKind(StrEnum):
@@ -63,11 +63,23 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LLMPIPE_", extra="ignore")
 
     # Infrastructure
+    # redis://, rediss://, unix:// or sentinel://h1:26379/0;sentinel://h2:26379/0;... (Redis
+    # Sentinel, llmpipe/redis_clients.py) for the broker, the results and every record.
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_sentinel_master: str = "mymaster"  # the master's name in the sentinels' config (sentinel:// only)
+    # The Celery broker; None: Redis at redis_url. amqp://...: RabbitMQ (quorum queues,
+    # publisher confirms; docs/reliability.md, "RabbitMQ"); Redis still holds results, jobs,
+    # admission and token streams.
+    broker_url: str | None = None
     state_dir: Path = Field(default_factory=_state_dir_default)
 
     # Model and engine
     model: str = "smollm2"  # "smollm2", "tiny", a local folder, or a hub id
+    # Several models behind one API (llmpipe/models/served.py): each "SOURCE" or "NAME=SOURCE",
+    # the first the default; one inference worker (and queue inference.<name>) per model.
+    # Empty: the one ``model`` above, on the queue ``inference``. In the environment a JSON
+    # list or comma-separated (LLMPIPE_MODELS=smollm2,tiny); in the config file a list.
+    models: Annotated[list[str], NoDecode] = Field(default_factory=list)
     engine: EngineKind = EngineKind.VLLM
     # None: chosen by platform (llmpipe/engines/platform.py): on CUDA dtype auto (bf16 for
     # the transformers engine), CUDA graphs, 0.9 of the GPU, vLLM's own max_num_seqs; on the
@@ -106,36 +118,69 @@ class Settings(BaseSettings):
     # Admission control (0 disables a limit)
     max_queue_depth: int = 1000
     max_queued_prompt_tokens: int = 2_000_000
+    # Priority lanes (llmpipe/lanes.py): a request of priority >= lane_batch_priority is in
+    # the batch lane (vLLM's default 0 stays interactive), which is admitted only while the
+    # queues and queued tokens are under this share of the limits above, so a batch backlog
+    # gets 429 while interactive requests still have the rest of the budget.
+    lane_batch_priority: int = 1
+    lane_batch_share: float = Field(0.5, gt=0.0, le=1.0)
+    # On a continuous engine the batch lane also holds at most lane_batch_share of the
+    # running slots, but only for this long after the last interactive request: a batch-only
+    # load keeps the whole engine (0: the batch lane is never held to its share of slots).
+    lane_slot_hold_s: float = Field(30.0, ge=0.0)
 
     # Pools
     cpu_workers: int = 2
+    # The CPU stages' (preprocess, postprocess) Celery pool: prefork (cpu_workers processes
+    # fed by one parent), threads (cpu_workers threads in one process) or solo (one task at
+    # a time in the consuming process). docs/benchmarks.md measures them.
+    cpu_pool: Literal["prefork", "threads", "solo"] = "prefork"
     api_port: int = 8000
     flower_port: int = 5555
     flower_user: str = "admin"
     flower_password: str = ""
     api_keys: str = ""  # comma-separated bearer keys; empty disables auth
 
+    # Supervision by `llmpipe up` (llmpipe/restarts.py): a child that exits on its own is
+    # restarted after 1 s, doubling to 30 s; at the restart_max_crashes-th crash within
+    # restart_window_s, `llmpipe up` gives up and stops the stack (docs/reliability.md).
+    restart_max_crashes: int = Field(5, ge=1)  # past a flaky moment, short of a crash loop burning the machine
+    restart_window_s: float = Field(300.0, gt=0)  # 5 crashes in 5 min with 1-16 s backoff: the engine keeps failing
+
     # SIMULATED engine (benchmarks only): the GPU cost model, see llmpipe/engines/simulated.py.
     # Defaults: ~346 ms of "GPU" time for one 512-token prompt with 64 output tokens.
     sim_prefill_ms_per_token: float = 0.1
     sim_step_ms: float = 4.6  # one decode step of a batch of one
     sim_step_ms_per_seq: float = 0.15  # added to a step per extra sequence in the batch
+    # Schedule step by step as vLLM does (continuous batching, by priority) instead of whole batches.
+    sim_continuous: bool = False
     # Simulated CPU work (busy loop, CPU time) per prompt in the pre/post stages; 0: none.
     # Benchmarks only (`llmpipe bench --engine simulated`); never set in production.
     sim_preprocess_cpu_ms: float = 0.0
     sim_postprocess_cpu_ms: float = 0.0
 
     # Reliability (docs/reliability.md)
-    # An unacked message (its worker died) is redelivered after this long; None: max_timeout_s
-    # + 60, so that a slow but healthy task is never run twice. Tests shorten it.
+    # Worker leases on the Redis broker (llmpipe/leases.py). A worker whose lease was not
+    # renewed for this long is dead: its messages go back to the front of their queues. Short,
+    # since renewals come from a thread every lease_ttl_s / 3, not from the tasks.
+    lease_ttl_s: float = 4.0
+    # Every consumer sweeps for dead leases this often: a dead worker's messages are back
+    # within lease_ttl_s + lease_sweep_interval_s (5 s) of its death.
+    lease_sweep_interval_s: float = 1.0
+    # The last resort for a message that no lease holds (a consumer without leases): it is
+    # redelivered after this long; None: max_timeout_s + 60, longer than any job may live.
     visibility_timeout_s: float | None = None
-    unacked_restore_interval_s: float = 10.0  # how often workers sweep for such messages
+    unacked_restore_interval_s: float = 10.0  # how often workers look for such messages
     max_deliveries: int = 3  # an inference request delivered more often (it kills its worker) is dead-lettered
     deadletter_ttl_s: int = 7 * 24 * 3600
     deadletter_max_entries: int = 10_000
     # The deadline watchdog (llmpipe/watchdog.py) in postprocess/collect workers; 0 disables it.
     watchdog_interval_s: float = 2.0
     watchdog_grace_s: float = 5.0  # how long after its deadline an unfinished job is settled
+    # How long a worker retries recording a task's outcome (chord counter, failure state)
+    # while Redis is unreachable; past it the message is acked and the watchdog settles the
+    # job, so a Redis outage never leaves a message unacked on a live worker (llmpipe/result_backend.py).
+    outcome_retry_s: float = 15.0
     # Task events feed Flower; off, Flower shows nothing but each task costs less CPU and Redis.
     task_events: bool = True
 
@@ -145,6 +190,41 @@ class Settings(BaseSettings):
     # Celery warns at each worker start when it runs as root. None: silenced in a container
     # (/.dockerenv or /run/.containerenv), where root is the norm; true/false: always/never.
     allow_root: bool | None = None
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str) -> str:
+        from llmpipe.redis_clients import check_url
+
+        return v if v == "embedded" else check_url(v)  # "embedded": `llmpipe up` starts one
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _models(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = v.strip()
+            v = json.loads(v) if v.startswith("[") else [p for p in v.split(",") if p.strip()]
+        return v
+
+    @model_validator(mode="after")
+    def _check_models(self) -> Settings:
+        from llmpipe.models.served import ModelSpecError
+
+        try:
+            served = self.served  # names parse and are unique
+        except ModelSpecError as exc:
+            raise ValueError(str(exc)) from None
+        if self.models:
+            # ``model`` is the default (first) one's source, for code that reads one model.
+            self.model = served.default.source
+        return self
+
+    @property
+    def served(self):
+        """The served models (llmpipe/models/served.py ModelSet): ``models``, else ``model``."""
+        from llmpipe.models.served import model_set
+
+        return model_set(self.model, self.models)
 
     @model_validator(mode="before")
     @classmethod
@@ -166,6 +246,16 @@ class Settings(BaseSettings):
             data[name] = value
         data["engine_args"] = args
         return data
+
+    @property
+    def effective_broker_url(self) -> str:
+        return self.broker_url or self.redis_url
+
+    @property
+    def broker_is_amqp(self) -> bool:
+        from llmpipe.queue_depth import is_amqp
+
+        return is_amqp(self.effective_broker_url)
 
     @property
     def effective_visibility_timeout_s(self) -> float:

@@ -7,7 +7,9 @@ others every ``partial_every_s``, which is enough for ``GET /v1/jobs/{id}`` to s
 text produced so far.
 
 Entry fields: ``i`` prompt index, ``o`` offset of the first id in ``d``, ``d`` the new
-token ids as JSON. Streaming requests' entries also carry ``p``, the prompt's length in
+token ids as JSON. A streaming job's last entry is its end marker, ``e`` (the job's terminal
+status), written by the job record's terminal move (llmpipe/jobs.py): the SSE reader blocks
+on the stream and wakes at it, without polling. Streaming requests' entries also carry ``p``, the prompt's length in
 tokens (the usage on every chunk), and ``t``, the prompt's last ids as JSON (the API decodes
 after them, as postprocess does). Offsets make a replayed entry idempotent to readers.
 
@@ -31,8 +33,16 @@ from typing import Any
 log = logging.getLogger("llmpipe.streaming")
 
 
+STREAM_TTL_S = 900  # a job's token stream outlives its last write by this long
+
+
 def stream_key(job_id: str) -> str:
     return f"llmpipe:tokens:{job_id}"
+
+
+def is_end(fields: dict) -> bool:
+    """The entry that the job's terminal move appends to a streaming job's stream (llmpipe/jobs.py)."""
+    return b"e" in fields or "e" in fields
 
 
 @dataclass
@@ -50,7 +60,7 @@ class _Tracked:
 
 class TokenPublisher:
     def __init__(self, redis_client: Any, *, flush_s: float = 0.02, partial_every_s: float = 0.5,
-                 ttl_s: int = 900, maxlen: int = 100_000, clock=time.monotonic):
+                 ttl_s: int = STREAM_TTL_S, maxlen: int = 100_000, clock=time.monotonic):
         self.r = redis_client
         self.flush_s = flush_s
         self.partial_every_s = partial_every_s
@@ -60,6 +70,7 @@ class TokenPublisher:
         self._lock = threading.Lock()
         self._tracked: dict[str, _Tracked] = {}
         self._stop = threading.Event()
+        self._work = threading.Event()  # set by register: the loop sleeps while nothing is tracked
         self._thread = threading.Thread(target=self._loop, name="llmpipe-token-publisher", daemon=True)
         self._thread.start()
 
@@ -71,16 +82,25 @@ class TokenPublisher:
         with self._lock:
             self._tracked[request_id] = _Tracked(job_id, index, stream, prompt_tokens, prompt_tail, ids=prefix,
                                                  published=len(prefix), last_flush=self._clock())
+        self._work.set()
 
     def on_tokens(self, request_id: str, ids_so_far: list[int]) -> None:
         t = self._tracked.get(request_id)
         if t is not None:
             t.ids = ids_so_far  # a reference swap: safe without the lock
+            if t.stream and not t.published:
+                self._work.set()  # a stream's first tokens go out at once (time to first token)
 
     def finish(self, request_id: str, final_ids: list[int] | None = None) -> None:
         with self._lock:
             t = self._tracked.get(request_id)
             if t is None:
+                return
+            if not t.stream:
+                # Nobody reads a request that does not stream from its end: its result
+                # follows at once, and a redelivery replays the stored result. What it
+                # published while it ran stays a prefix of the final output.
+                del self._tracked[request_id]
                 return
             if final_ids is not None:
                 t.ids = final_ids
@@ -92,7 +112,8 @@ class TokenPublisher:
         entries = []
         with self._lock:
             for rid, t in list(self._tracked.items()):
-                due = force or t.done or now - t.last_flush >= (self.flush_s if t.stream else self.partial_every_s)
+                due = (force or t.done or (t.stream and not t.published)
+                       or now - t.last_flush >= (self.flush_s if t.stream else self.partial_every_s))
                 if due and len(t.ids) > t.published:
                     fields = {"i": t.index, "o": t.published, "d": json.dumps(t.ids[t.published:])}
                     if t.stream and t.prompt_tokens is not None:
@@ -118,11 +139,19 @@ class TokenPublisher:
         return len(entries)
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.flush_s):
+        while not self._stop.is_set():
+            if not self._tracked:  # idle: no wake-up every flush_s
+                self._work.wait(1.0)
+                self._work.clear()
+                continue
+            # Every flush_s, or at once when a stream's first tokens came (on_tokens).
+            self._work.wait(self.flush_s)
+            self._work.clear()
             self.flush()
 
     def close(self) -> None:
         self._stop.set()
+        self._work.set()
         self._thread.join(timeout=2)
         self.flush(force=True)
 
@@ -144,6 +173,8 @@ def apply_entries(entries: list[tuple[Any, dict]], ids_by_index: dict[int, list[
     new: dict[int, list[int]] = {}
     for _, fields in entries:
         f = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in fields.items()}
+        if "i" not in f:
+            continue  # the job's end marker
         i, off, delta = int(f["i"]), int(f["o"]), json.loads(f["d"])
         if prompts is not None and i not in prompts and "p" in f:
             prompts[i] = PromptInfo(int(f["p"]), json.loads(f["t"]) if "t" in f else [])

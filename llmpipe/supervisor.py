@@ -1,5 +1,6 @@
 """Runs a set of child processes with per-child log files and a prefixed console view,
-and shuts them down warm (SIGTERM), or forced (SIGKILL) on a second Ctrl-C.
+restarts those that exit on their own (with a RestartPolicy, llmpipe/restarts.py), and
+shuts them down warm (SIGTERM), or forced (SIGKILL) on a second Ctrl-C.
 
 No child outlives the supervisor: each child runs in its own process group (so a
 terminal's Ctrl-C reaches only the supervisor, which decides), every group is killed
@@ -24,6 +25,7 @@ from rich.console import Console
 from rich.text import Text
 
 from llmpipe.console_filter import LevelFilter
+from llmpipe.restarts import Decision, RestartPolicy
 
 _COLORS = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta"]
 _PR_SET_PDEATHSIG = 1
@@ -70,15 +72,40 @@ class Child:
     color: str = "white"
     tail: list[str] = field(default_factory=list)
     restarts: int = 0
+    policy: RestartPolicy | None = None  # None: an exit is left for the caller to handle
+    started_at: float = 0.0  # clock time of the last (re)start
+    restart_at: float | None = None  # clock time of a restart that is due
+    ever_ready: bool = False  # set by the owner once the child has served
+    given_up: bool = False  # crashed too often: stays down
 
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
 
+def how_exited(returncode: int | None) -> str:
+    """``was killed by SIGKILL`` or ``exited with code 70``."""
+    if returncode is not None and returncode < 0:
+        try:
+            return f"was killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"was killed by signal {-returncode}"
+    return f"exited with code {returncode}"
+
+
+@dataclass(frozen=True)
+class Crash:
+    """A supervised child exited on its own, ``uptime_s`` after its start."""
+
+    child: Child
+    returncode: int | None
+    uptime_s: float
+    decision: Decision
+
+
 class Supervisor:
     def __init__(self, log_dir: Path, console: Console | None = None, echo: bool = True, width: int = 12,
-                 echo_level: int = logging.DEBUG):
+                 echo_level: int = logging.DEBUG, clock=time.monotonic):
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.console = console or Console(stderr=True, highlight=False)
@@ -87,46 +114,91 @@ class Supervisor:
         self.width = width
         self.children: list[Child] = []
         self._threads: list[threading.Thread] = []
+        self.clock = clock
+        self._stopping = False
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> Child:
-        child = Child(name, argv, env, self.log_dir / f"{name}.log", color=_COLORS[len(self.children) % len(_COLORS)])
+    def spawn(self, name: str, argv: list[str], env: dict[str, str], policy: RestartPolicy | None = None) -> Child:
+        """Start a child. With a ``policy``, ``tend`` restarts it whenever it exits on its own."""
+        child = Child(name, argv, env, self.log_dir / f"{name}.log", color=_COLORS[len(self.children) % len(_COLORS)],
+                      policy=policy)
         self.width = max(self.width, len(name))
-        child.proc = subprocess.Popen(
-            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=die_with_parent(), text=True, bufsize=1, errors="replace",
-        )
         self.children.append(child)
-        t = threading.Thread(target=self._pump, args=(child,), daemon=True, name=f"log-{name}")
-        t.start()
-        self._threads.append(t)
+        self._start(child)
         return child
 
     def respawn(self, child: Child) -> Child:
         """Start ``child``'s command again in its place (same name, log file and colour)."""
+        self._start(child)
+        child.restarts += 1
+        return child
+
+    def _start(self, child: Child) -> None:
         child.proc = subprocess.Popen(
             child.argv, env=child.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             preexec_fn=die_with_parent(), text=True, bufsize=1, errors="replace",
         )
-        child.restarts += 1
-        t = threading.Thread(target=self._pump, args=(child,), daemon=True, name=f"log-{child.name}")
+        child.tail = []  # what the last run said, not an earlier one
+        child.restart_at = None
+        child.started_at = self.clock()
+        if child.policy is not None:
+            child.policy.started(child.started_at)
+        t = threading.Thread(target=self._pump, args=(child, child.proc), daemon=True, name=f"log-{child.name}")
         t.start()
         self._threads.append(t)
-        return child
 
-    def _pump(self, child: Child) -> None:
-        """Copies the child's output to its log file and, prefixed, to the console. It
-        never stops reading before the child closes its output, so a child never blocks
-        on a full pipe."""
-        assert child.proc and child.proc.stdout
+    def tend(self, now: float | None = None) -> list[Crash]:
+        """One round of supervision (call it often): a supervised child that exited on its
+        own gets its process group killed (its pool processes, its engine process) and a
+        restart scheduled after its policy's delay; a restart that is due happens. Returns
+        the crashes seen this round, those given up on included (their child stays down).
+        Does nothing once ``stop`` has begun."""
+        if now is None:
+            now = self.clock()
+        crashes: list[Crash] = []
+        for c in self.children:
+            if self._stopping:
+                break
+            if c.policy is None or c.proc is None or c.proc.poll() is None:
+                continue
+            if c.restart_at is not None:
+                if now >= c.restart_at:
+                    self.respawn(c)
+                continue
+            if c.given_up:
+                continue
+            self._kill_group(c)
+            decision = c.policy.crashed(now)
+            crashes.append(Crash(c, c.proc.returncode, now - c.started_at, decision))
+            if decision.give_up:
+                c.given_up = True
+            else:
+                c.restart_at = now + decision.delay_s
+        return crashes
+
+    @staticmethod
+    def _kill_group(c: Child) -> None:
+        # Whatever the dead child left in its group (pool processes, vLLM's engine core)
+        # must not hold memory, a GPU or queue messages next to its replacement.
+        try:
+            os.killpg(c.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _pump(self, child: Child, proc: subprocess.Popen) -> None:
+        """Copies the output of one run (``proc``) of the child to its log file and,
+        prefixed, to the console. It never stops reading before the run closes its output,
+        so a child never blocks on a full pipe."""
+        assert proc.stdout
         levels = LevelFilter(self.echo_level)
-        with child.log_path.open("a", buffering=1) as log:
-            for line in child.proc.stdout:
+        with child.log_path.open("a", buffering=1) as log, proc.stdout:
+            for line in proc.stdout:
                 line = line.rstrip("\n")
                 try:
                     log.write(line + "\n")
                 except OSError:
                     pass
-                child.tail = (child.tail + [line])[-40:]
+                if child.proc is proc:  # a late line of an earlier run is not the current one's
+                    child.tail = (child.tail + [line])[-40:]
                 if self.echo and levels.show(line):
                     try:
                         self.console.print(Text.assemble((f"{child.name:<{self.width}}| ", child.color), line),
@@ -159,7 +231,9 @@ class Supervisor:
         """Warm shutdown: SIGTERM the children stage by stage (``order`` lists stages of
         child names; children not named form a last stage), waiting for each stage to
         exit; SIGKILL whatever remains at ``timeout`` or once ``force_event`` is set (a
-        second Ctrl-C). Returns True when everything stopped warm."""
+        second Ctrl-C). Returns True when everything stopped warm. No restart happens
+        once it has begun."""
+        self._stopping = True
         named = {n for stage in (order or []) for n in stage}
         stages = [[c for c in self.children if c.name in stage] for stage in (order or [])]
         stages.append([c for c in self.children if c.name not in named])
@@ -236,4 +310,4 @@ def python_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-__all__ = ["Supervisor", "Child", "alive", "descendants", "die_with_parent", "python_env"]
+__all__ = ["Supervisor", "Child", "Crash", "alive", "descendants", "die_with_parent", "how_exited", "python_env"]

@@ -2,9 +2,12 @@
 
 Redis (the configured one when it answers, else an embedded redis-server with its AOF
 under the state dir), the model (prepared once into the state dir), one Celery worker per
-stage, the API and Flower, as supervised children. Ctrl-C: a warm shutdown in pipeline
-order (running requests finish; queued work stays in Redis for the next start); a second
-Ctrl-C forces it. Every way out stops every child and the embedded Redis.
+stage, the API and Flower, as supervised children. A child that exits on its own is
+restarted, its process group killed first, after a backoff (llmpipe/restarts.py); one that
+crashes restart_max_crashes times within restart_window_s stops the stack with exit 1, as
+does a child that cannot start as configured. Ctrl-C: a warm shutdown in pipeline order
+(running requests finish; queued work stays in Redis for the next start), with no restart;
+a second Ctrl-C forces it. Every way out stops every child and the embedded Redis.
 """
 
 from __future__ import annotations
@@ -92,31 +95,29 @@ def run_up(s: Settings, *, flower: bool = True, echo: bool = True, redis_explici
                 raise PipelineError(f"port {port} for the {what} is already in use (choose another with {flag})")
         _check_engine_args(s)
         configured = _configured_redis(s, redis_explicit)
-        try:
-            model_path = resolve_model(s.model, s.models_dir, progress=True)
-        except Exception as exc:
-            raise PipelineError(f"model {s.model}: {exc}") from None
-        check_model_path(model_path)
-        console.print(f"model: {s.model} ({model_path}); engine: {s.engine.value}")
+        # Every served model is prepared once here, before its workers start (llmpipe/models/served.py).
+        for m in s.served.models:
+            try:
+                model_path = resolve_model(m.source, s.models_dir, progress=True)
+            except Exception as exc:
+                raise PipelineError(f"model {m.source}: {exc}") from None
+            check_model_path(model_path)
+            queue = f", queue {m.queue}" if s.served.several else ""
+            console.print(f"model: {m.id} ({model_path}{queue}); engine: {s.engine.value}")
         embedded, s = _redis(s, configured, console)
         if flower and not s.flower_password:
             s = s.model_copy(update={"flower_password": secrets.token_urlsafe(12)})
         # The console: our own lines and the children's warnings and errors; --verbose: everything.
         pipeline = LocalPipeline(s, flower=flower, echo=echo, console=console, extra_env=child_env(s),
-                                 echo_level=logging.DEBUG if verbose else logging.WARNING)
+                                 echo_level=logging.DEBUG if verbose else logging.WARNING, restarts=True)
         pipeline.start()
         with console.status("starting") as status:
             ready = pipeline.wait_ready(ready_timeout, status=status, stop_event=stopping)
         if ready:
             _print_ready(out, s, flower, embedded, pipeline, time.monotonic() - started)
         while not stopping.is_set():
-            dead = pipeline.first_exited()
-            if dead is not None:
-                if not _restart_after_engine_death(pipeline, dead, console):
-                    from llmpipe.local import exit_reason
-
-                    raise PipelineError(exit_reason(dead))
-            stopping.wait(0.5)
+            pipeline.tend()  # restarts a child that exited on its own; raises when it gives up on one
+            stopping.wait(0.2)
         code = 0 if ready else 130
     except _Interrupted:
         console.print("llmpipe up: interrupted", style="yellow")
@@ -160,28 +161,11 @@ def _check_engine_args(s: Settings) -> None:
         raise PipelineError(str(exc)) from None
 
 
-MAX_ENGINE_RESTARTS = 5
-
-
-def _restart_after_engine_death(pipeline: LocalPipeline, dead, console: Console) -> bool:
-    """An inference worker whose engine died has requeued its requests and exited with
-    ENGINE_DEAD_EXIT: start a new one, a few times, so the requeued requests are served."""
-    from workers.context import ENGINE_DEAD_EXIT
-
-    if dead.name != "inference" or dead.proc.returncode != ENGINE_DEAD_EXIT or dead.restarts >= MAX_ENGINE_RESTARTS:
-        return False
-    console.print(f"inference: engine died (exit {ENGINE_DEAD_EXIT}); restarting the worker "
-                  f"({dead.restarts + 1} of {MAX_ENGINE_RESTARTS})", style="yellow")
-    time.sleep(min(30.0, 2.0 ** dead.restarts))
-    pipeline.sup.respawn(dead)
-    return True
-
-
 def _safe(url: str) -> str:
-    """The URL without its password."""
-    from kombu.utils.url import maybe_sanitize_url
+    """The URL without its password (every part of a Sentinel URL)."""
+    from llmpipe.redis_clients import safe_url
 
-    return maybe_sanitize_url(url)
+    return safe_url(url)
 
 
 def _configured_redis(s: Settings, explicit: bool) -> bool:
@@ -189,7 +173,7 @@ def _configured_redis(s: Settings, explicit: bool) -> bool:
     that does not is an error, not a reason to embed one."""
     if s.redis_url == EMBEDDED:
         return False
-    if redis_answers(s.redis_url):
+    if redis_answers(s.redis_url, master_name=s.redis_sentinel_master):
         return True
     if explicit:
         raise PipelineError(f"redis at {_safe(s.redis_url)} does not answer (leave --redis-url out, or "
@@ -229,7 +213,8 @@ def _print_ready(out: Console, s: Settings, flower: bool, embedded: EmbeddedRedi
             '"max_tokens": 32, "temperature": 0}')
     url_opt = "" if s.api_port == 8000 else f" --url {api}"
     lines = [
-        "[bold green]llmpipe is ready[/] " + escape(f"in {took:.1f}s (model {s.model}, engine {s.engine.value})"),
+        "[bold green]llmpipe is ready[/] " + escape(f"in {took:.1f}s ({'models' if s.served.several else 'model'} "
+                                                    f"{', '.join(m.id for m in s.served.models)}, engine {s.engine.value})"),
         f"  API      {api}   docs: {api}/docs",
     ]
     if flower:

@@ -23,7 +23,7 @@ def _infer(req: TokenizedRequest) -> dict:
     # A redelivered message (its worker died) continues from the tokens its first delivery
     # streamed, so a client never sees text that the result then contradicts.
     out = context().inference().process(req, resume=DELIVERY.get() > 1)
-    metrics.observe_stage(out.timings[-1])
+    metrics.observe_stage(out.timings[-1], context().own_model.name)
     if out.error is not None and req.error is None:
         metrics.observe_error(out.error.reason.value, Stage.INFERENCE.value)
         if out.error.reason == ErrorReason.ENGINE_ERROR:  # failed for good, after isolation and retries

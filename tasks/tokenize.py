@@ -8,7 +8,8 @@ def tokenize(body: dict) -> dict:
     """``POST /tokenize`` on the preprocess queue: the stage that tokenizes every prompt
     answers, so the ids are the ones a request would carry (api/routes_vllm.py)."""
     try:
-        return context().input_processor.tokenize_view(**body)
+        body = dict(body)
+        return context().model(body.pop("model", None)).input_processor.tokenize_view(**body)
     except LlmpipeError as exc:
         return {"error": {"type": exc.reason.value, "message": exc.message, "param": exc.param}}
     except Exception as exc:

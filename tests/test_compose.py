@@ -42,6 +42,10 @@ DOCKERIGNORE = ROOT / ".dockerignore"
 CPU_STAGE_WORKERS = ("worker-preprocess", "worker-postprocess")
 GPU_WORKER = "worker-inference"
 CPU_INFERENCE_WORKER = "worker-inference-cpu"
+# One inference worker service per served model and profile (two models: LLMPIPE_MODELS).
+MODELS = ("smollm2", "tiny")
+GPU_WORKERS = {"smollm2": GPU_WORKER, "tiny": "worker-inference-tiny"}
+CPU_INFERENCE_WORKERS = {"smollm2": CPU_INFERENCE_WORKER, "tiny": "worker-inference-tiny-cpu"}
 QUEUES = ("preprocess", "inference", "postprocess", "collect")
 
 
@@ -77,8 +81,8 @@ def _workers(services: dict) -> dict:
 
 
 def _llmpipe_services(services: dict) -> dict:
-    """Every service that runs an llmpipe image (all but redis)."""
-    return {n: s for n, s in services.items() if n != "redis"}
+    """Every service that runs an llmpipe image (all but redis and rabbitmq)."""
+    return {n: s for n, s in services.items() if n not in ("redis", "rabbitmq")}
 
 
 def _depends_on(svc: dict) -> dict:
@@ -256,7 +260,7 @@ def test_api_is_published_healthchecked_and_health_gated(services):
 
 def test_model_init_is_a_one_shot_that_fills_the_shared_volume(compose, services):
     init = services["model-init"]
-    assert _command(init) == ["model", "smollm2"]
+    assert _command(init) == ["model", *MODELS]  # every served model, prepared once
     assert str(init.get("restart", "no")) == "no"
     target = _volume_mounts(init).get("models")
     assert target, "model-init must mount the shared `models` volume"
@@ -298,9 +302,51 @@ def test_cpu_inference_worker_is_the_cpu_profile(services):
     assert "deploy" not in svc or "devices" not in str(svc["deploy"])
 
 
-def test_only_the_inference_workers_are_behind_profiles(services):
+def test_only_the_inference_workers_and_rabbitmq_are_behind_profiles(services):
     profiled = {n: s["profiles"] for n, s in services.items() if s.get("profiles")}
-    assert profiled == {GPU_WORKER: ["gpu"], CPU_INFERENCE_WORKER: ["cpu"]}
+    assert profiled == {**{n: ["gpu"] for n in GPU_WORKERS.values()}, **{n: ["cpu"] for n in CPU_INFERENCE_WORKERS.values()},
+                        "rabbitmq": ["rabbitmq"]}
+
+
+# ----------------------------------------------------------------- the rabbitmq profile
+
+RABBITMQ_CONF = ROOT / "docker" / "rabbitmq" / "rabbitmq.conf"
+
+
+def test_rabbitmq_is_internal_durable_and_healthchecked(compose, services):
+    mq = services["rabbitmq"]
+    assert str(mq["image"]).split(":")[0] == "rabbitmq"
+    assert "ports" not in mq, "the broker stays on the compose network"
+    assert _volume_mounts(mq).get("rabbitmq-data") == "/var/lib/rabbitmq" and "rabbitmq-data" in compose["volumes"]
+    assert mq.get("hostname"), "RabbitMQ names its data directory after the node: the hostname must not change"
+    test = mq["healthcheck"]["test"]
+    assert "rabbitmq-diagnostics" in (" ".join(test) if isinstance(test, list) else test)
+    assert mq.get("restart") in {"always", "unless-stopped"}
+
+
+def test_rabbitmq_consumer_timeout_outlasts_the_longest_job(services):
+    from llmpipe.settings import Settings
+
+    mounts = [str(v) for v in services["rabbitmq"]["volumes"]]
+    assert any(m.startswith("./docker/rabbitmq/rabbitmq.conf:/etc/rabbitmq/conf.d/") for m in mounts), mounts
+    conf = dict(ln.split("=", 1) for ln in RABBITMQ_CONF.read_text().splitlines() if "=" in ln and not ln.startswith("#"))
+    conf = {k.strip(): v.strip() for k, v in conf.items()}
+    # a job lives at most max_timeout_s: its message must never be taken back from a live worker
+    assert int(conf["consumer_timeout"]) >= (Settings().max_timeout_s + 60) * 1000, conf
+    assert conf.get("default_queue_type") == "quorum"
+
+
+def test_llmpipe_services_take_the_broker_url_and_wait_for_rabbitmq_when_it_runs(services):
+    for name, svc in _llmpipe_services(services).items():
+        assert svc["environment"].get("LLMPIPE_BROKER_URL") == "${LLMPIPE_BROKER_URL:-}", name  # empty: Redis
+    for name in (*_workers(services), "api", "flower"):
+        dep = _depends_on(services[name]).get("rabbitmq", {})
+        assert dep.get("condition") == "service_healthy" and dep.get("required") is False, name
+
+
+def test_rabbitmq_use_is_documented_at_the_top(compose_text):
+    head = compose_text.split("\nservices:", 1)[0]
+    assert "--profile rabbitmq" in head and "LLMPIPE_BROKER_URL=amqp://" in head
 
 
 # ------------------------------------------------------------------ security, scaling
@@ -542,7 +588,8 @@ def _run(cli, env_file, *args, env_extra=None):
     )
 
 
-@pytest.mark.parametrize("profiles", [[], ["cpu"], ["gpu"], ["cpu", "gpu"]], ids=lambda p: "+".join(p) or "none")
+@pytest.mark.parametrize("profiles", [[], ["cpu"], ["gpu"], ["cpu", "gpu"], ["cpu", "rabbitmq"]],
+                         ids=lambda p: "+".join(p) or "none")
 def test_cli_config_is_valid(compose_cli, empty_env_file, profiles):
     flags = [f for p in profiles for f in ("--profile", p)]
     res = _run(compose_cli, empty_env_file, *flags, "config", "-q")
@@ -551,7 +598,8 @@ def test_cli_config_is_valid(compose_cli, empty_env_file, profiles):
 
 @pytest.mark.parametrize(
     "profile, inference",
-    [(None, set()), ("cpu", {CPU_INFERENCE_WORKER}), ("gpu", {GPU_WORKER})],
+    [(None, set()), ("cpu", set(CPU_INFERENCE_WORKERS.values())), ("gpu", set(GPU_WORKERS.values())),
+     ("rabbitmq", {"rabbitmq"})],
 )
 def test_cli_services_per_profile(compose_cli, empty_env_file, profile, inference):
     flags = ["--profile", profile] if profile else []
@@ -585,3 +633,23 @@ def test_cli_normalized_model(compose_cli, empty_env_file):
         assert _uid(svc["user"]) not in {"0", "root"}, name
         assert svc["stop_signal"] == "SIGTERM", name
         assert "container_name" not in svc, name
+
+
+def test_two_models_each_with_its_own_inference_worker_per_profile(services):
+    from llmpipe.settings import Settings
+
+    env = services["api"]["environment"]
+    served = Settings(models=env["LLMPIPE_MODELS"].split(":-", 1)[-1].rstrip("}")).served
+    assert tuple(served.names) == MODELS and served.several
+    for profile, by_model in (("gpu", GPU_WORKERS), ("cpu", CPU_INFERENCE_WORKERS)):
+        for model, name in by_model.items():
+            svc = services[name]
+            assert _command(svc) == ["worker", "inference", "--model", model], name
+            assert svc.get("profiles") == [profile], name
+            assert _depends_on(svc)["model-init"]["condition"] == "service_completed_successfully", name
+    # On one GPU the two engines share its memory: their shares fit in it.
+    shares = [float(re.search(r":-([0-9.]+)\}", services[n]["environment"]["LLMPIPE_GPU_MEMORY_UTILIZATION"]).group(1))
+              for n in GPU_WORKERS.values()]
+    assert sum(shares) <= 0.9
+    assert services[GPU_WORKERS["tiny"]]["deploy"] == services[GPU_WORKER]["deploy"]
+    assert services[CPU_INFERENCE_WORKERS["tiny"]]["cap_add"] == services[CPU_INFERENCE_WORKER]["cap_add"]

@@ -41,7 +41,9 @@ KEDA_KEYS = {
     "cpu": {"value", "containerName"},
 }
 WORKER_KINDS = {"llmpipe-preprocess": "preprocess", "llmpipe-postprocess": "postprocess",
-                "llmpipe-inference": "inference"}
+                "llmpipe-inference": "inference", "llmpipe-inference-tiny": "inference"}
+# Two models behind one API: one inference Deployment (and ScaledObject) per model.
+INFERENCE_MODELS = {"llmpipe-inference": "smollm2", "llmpipe-inference-tiny": "tiny"}
 
 
 def _load(path: Path) -> list[dict]:
@@ -99,7 +101,7 @@ def test_kubernetes_objects_match_the_schemas(name, obj):
 def test_keda_scaled_objects_match_the_crd_schema():
     schema = _strict(json.loads(KEDA_SCHEMA.read_text()))
     scaled = _by_kind("ScaledObject")
-    assert set(scaled) == {"llmpipe-preprocess", "llmpipe-postprocess", "llmpipe-inference"}
+    assert set(scaled) == {"llmpipe-preprocess", "llmpipe-postprocess", *INFERENCE_MODELS}
     for obj in scaled.values():
         assert obj["apiVersion"] == "keda.sh/v1alpha1"
         jsonschema.validate(obj, schema)
@@ -175,11 +177,18 @@ def test_variable_and_secret_references_resolve():
                     assert ref in defined
 
 
-def test_keda_triggers_watch_exactly_the_queues_their_workers_consume():
-    import celeryconfig
-    from workers.launch import KINDS
+def _served():
+    from llmpipe.settings import Settings
 
-    queues = {q.name for q in celeryconfig.task_queues}
+    return Settings(models=_by_kind("ConfigMap")["llmpipe-config"]["data"]["LLMPIPE_MODELS"])
+
+
+def test_keda_triggers_watch_exactly_the_queues_their_workers_consume():
+    from workers.launch import queues_of
+
+    settings = _served()
+    served = settings.served
+    queues = {*served.stage_queues(), "collect"}
     deployments = _by_kind("Deployment")
     for name, so in _by_kind("ScaledObject").items():
         target = so["spec"]["scaleTargetRef"]["name"]
@@ -198,7 +207,25 @@ def test_keda_triggers_watch_exactly_the_queues_their_workers_consume():
             if t["type"] == "cpu":
                 assert worker["resources"]["requests"]["cpu"], "a CPU trigger needs a CPU request"
         assert lists <= queues
-        assert lists == set(KINDS[WORKER_KINDS[target]].queues), (name, lists)
+        args = worker["args"]
+        model = args[args.index("--model") + 1] if "--model" in args else None
+        assert lists == set(queues_of(WORKER_KINDS[target], settings, model)), (name, lists)
+
+
+def test_one_inference_deployment_and_scaled_object_per_served_model():
+    settings = _served()
+    assert settings.served.names == ["smollm2", "tiny"]
+    deployments = _by_kind("Deployment")
+    for name, model in INFERENCE_MODELS.items():
+        pod = deployments[name]["spec"]["template"]["spec"]
+        worker = pod["containers"][0]
+        assert worker["args"] == ["worker", "inference", "--model", model]
+        assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert model in pod["initContainers"][0]["args"]  # its model is prepared before it starts
+    # The CPU stages and the API hold every model's tokenizer.
+    for name in ("llmpipe-preprocess", "llmpipe-postprocess", "llmpipe-api"):
+        init = deployments[name]["spec"]["template"]["spec"]["initContainers"][0]["args"]
+        assert init[0] == "model" and set(settings.served.names) <= set(init[1:]), name
 
 
 def test_the_issue_promises():

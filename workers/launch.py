@@ -38,16 +38,36 @@ KINDS: dict[str, WorkerKind] = {
 }
 
 
+def pool_of(kind: str, s: Settings) -> str:
+    """The CPU stages' pool is a setting (cpu_pool); the others' are fixed."""
+    k = KINDS[kind]
+    return s.cpu_pool if kind in ("preprocess", "postprocess") else k.pool
+
+
+def queues_of(kind: str, s: Settings, model: str | None = None) -> tuple[str, ...]:
+    """The queues a worker of ``kind`` consumes. An inference worker serves one model
+    (``model``, default the first): its queue, ``inference`` with one model, else
+    ``inference.<name>`` (llmpipe/models/served.py). The CPU stages serve every model."""
+    if kind == "inference":
+        return (s.served.get(model).queue,)
+    return KINDS[kind].queues
+
+
+def node_of(kind: str, s: Settings, model: str | None = None) -> str:
+    """``inference.tiny`` for one model's inference worker when there are several, else the kind."""
+    return f"inference.{s.served.get(model).name}" if kind == "inference" and s.served.several else kind
+
+
 def worker_argv(kind: str, s: Settings, *, concurrency: int | None = None, name: str | None = None,
-                loglevel: str = "INFO") -> list[str]:
+                loglevel: str = "INFO", model: str | None = None) -> list[str]:
     k = KINDS[kind]
     n = concurrency or k.concurrency(s)
     return [
         sys.executable, "-m", "celery", "-A", "tasks", "worker",
-        "-Q", ",".join(k.queues),
-        "-P", k.pool,
+        "-Q", ",".join(queues_of(kind, s, model)),
+        "-P", pool_of(kind, s),
         "-c", str(n),
-        "-n", name or f"{kind}@%h",  # Celery expands %h to the host name
+        "-n", name or f"{node_of(kind, s, model)}@%h",  # Celery expands %h to the host name
         "--prefetch-multiplier", str(k.prefetch),
         *(["-E"] if s.task_events else []),
         "-l", loglevel,

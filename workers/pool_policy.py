@@ -32,7 +32,9 @@ from dataclasses import dataclass
 
 from celery.signals import celeryd_after_setup, worker_init
 
+from llmpipe.models.served import is_inference_queue, stage_of
 from llmpipe.settings import Settings, get_settings
+from workers.context import WORKER_MODEL_ENV
 from workers.launch import KINDS
 
 log = logging.getLogger("llmpipe.worker")
@@ -68,6 +70,7 @@ class Plan:
     prefetch: int | None = None
     node: str | None = None
     refusal: str | None = None
+    model: str | None = None  # the served model whose inference queue it consumes
 
 
 def kind_of(stages: frozenset[str]) -> str | None:
@@ -89,18 +92,29 @@ def stages_of(kind: str | None, queues: tuple[str, ...] = ()) -> frozenset[str]:
 
 
 def plan(started: Started, s: Settings, hostname: str) -> Plan:
-    consumed = frozenset(started.queues) & STAGES
+    # inference.<model> is the inference stage of one model (llmpipe/models/served.py).
+    consumed = frozenset(stage_of(q) for q in started.queues) & STAGES
     kind = started.kind_env if started.kind_env else kind_of(consumed)
-    stages = stages_of(kind, started.queues)
-    node = f"{kind}@{hostname}" if kind in KINDS and not started.name_given else None
+    stages = stages_of(kind, tuple(stage_of(q) for q in started.queues))
+    model = None
+    if "inference" in consumed | stages:
+        mine = sorted({q for q in started.queues if is_inference_queue(q)} & set(s.served.inference_queues))
+        if len(mine) > 1:  # one process holds one engine
+            return Plan(kind, stages, refusal=(
+                f"llmpipe: a worker serves one model's inference queue, not {len(mine)} ({', '.join(mine)}); "
+                f"start one per model, e.g.: celery -A tasks worker -Q {mine[0]} (or: llmpipe worker inference "
+                f"--model {s.served.for_queue(mine[0]).name})"))
+        model = s.served.for_queue(mine[0]).name if mine else None
+    base = f"inference.{model}" if kind == "inference" and model and s.served.several else kind
+    node = f"{base}@{hostname}" if kind in KINDS and not started.name_given else None
     if "inference" not in consumed | stages:
         return Plan(kind, stages, node=node)
     inference = KINDS["inference"]
     n = started.concurrency if started.concurrency_given else inference.concurrency(s)
     if started.pool != inference.pool and started.pool_given:
-        return Plan(kind, stages, refusal=_refusal(started, n))
+        return Plan(kind, stages, refusal=_refusal(started, n), model=model)
     return Plan(kind, stages, pool=inference.pool, concurrency=None if started.concurrency_given else n,
-                prefetch=None if started.prefetch_given else inference.prefetch, node=node)
+                prefetch=None if started.prefetch_given else inference.prefetch, node=node, model=model)
 
 
 def _refusal(started: Started, n: int) -> str:
@@ -108,7 +122,9 @@ def _refusal(started: Started, n: int) -> str:
     queues = [] if STAGES <= set(started.queues) else ["-Q", ",".join(started.queues)]
     cmd = shlex.join(["celery", "-A", "tasks", "worker", *queues, "-P", inference.pool, "-c", str(n),
                       "--prefetch-multiplier", str(inference.prefetch)])
-    alt = " (or: llmpipe worker inference)" if set(started.queues) == {"inference"} else ""
+    alt = (" (or: llmpipe worker inference)" if set(started.queues) == {"inference"} else
+           f" (or: llmpipe worker inference --model {started.queues[0].removeprefix('inference.')})"
+           if len(started.queues) == 1 and is_inference_queue(started.queues[0]) else "")
     why = _WHY.get(started.pool, "the engine and its batcher live in one process, fed by one thread per request")
     return (f"llmpipe: the inference queue needs -P {inference.pool}, not -P {started.pool} ({why}); "
             f"start this worker with: {cmd}{alt}")
@@ -182,6 +198,8 @@ def _apply(sender=None, **_):
         print(p.refusal, file=sys.__stderr__, flush=True)
         raise SystemExit(EXIT_WRONG_POOL)
     _stages = p.stages
+    if p.model is not None:
+        os.environ[WORKER_MODEL_ENV] = p.model  # the model its engine loads (workers/context.py)
     if p.kind and not started.kind_env:
         os.environ[KIND_ENV] = p.kind  # for code that reads the kind from the environment
     changes = []

@@ -38,17 +38,37 @@ def _cannot_warm(what: str, exc: BaseException) -> None:
 
 
 @worker_init.connect
+def _declare_stage_queues(sender=None, **_):
+    # RabbitMQ: Celery binds every stage queue's exchange to its delayed-delivery exchanges
+    # at start (countdown/ETA on quorum queues), and a worker declares only the queues it
+    # consumes; the first worker up would find the others' exchanges missing. Declaring
+    # all of them first (idempotent) makes the binding succeed on any start order.
+    if not context().settings.broker_is_amqp:
+        return
+    from llmpipe.celery_app import app
+
+    try:
+        with app.connection_for_write() as conn:
+            for queue in app.amqp.queues.values():
+                queue(conn.default_channel).declare()
+    except Exception:  # the consumer declares its own queues (and retries the broker) anyway
+        log.warning("could not declare the stage queues", exc_info=True)
+
+
+@worker_init.connect
 def _warm_cpu_stage(sender=None, **_):
     # The CPU stages load the tokenizer in the main process before their prefork pool
     # forks, so no pool process pays the load on its first request (seconds on a small
     # machine) and a model without a usable tokenizer stops the worker at once.
+    # They serve every model: each served model's tokenizer is loaded here once.
     if serves("preprocess", "postprocess"):
-        try:
-            ctx = context()
-            ctx.tokenizer_owner.get()
-            ctx.context_len  # noqa: B018 - reads config.json once
-        except Exception as exc:  # a worker that cannot tokenize must not take traffic
-            _cannot_warm(f"tokenizer for model {context().settings.model}", exc)
+        ctx = context()
+        for m in ctx.served.models:
+            try:
+                ctx.model(m.name).tokenizer_owner.get()
+                ctx.model(m.name).context_len  # noqa: B018 - reads config.json once
+            except Exception as exc:  # a worker that cannot tokenize must not take traffic
+                _cannot_warm(f"tokenizer for model {m.name} ({m.source})", exc)
 
 
 @worker_ready.connect
@@ -57,7 +77,8 @@ def _warm(sender=None, **_):
     # does not pay the load (and it answers pings only once the engine is up).
     if serves("inference"):
         s = context().settings
-        log.info("loading engine %s for model %s", s.engine.value, s.model)
+        log.info("loading engine %s for model %s (queue %s)", s.engine.value, context().own_model.name,
+                 context().own_model.queue)
         try:
             context().inference()
         except Exception as exc:  # a worker without an engine must not take traffic
@@ -75,7 +96,9 @@ def _announce_ready(sender=None, **_):
     global _beacon
     from llmpipe.readiness import STAGES, ReadinessBeacon
 
-    stages = [s for s in STAGES if serves(s)]
+    # An inference worker is ready for its model's queue (inference.<name> with several
+    # models): /healthz names the model whose workers are all gone.
+    stages = [context().own_model.queue if s == "inference" else s for s in STAGES if serves(s)]
     node = getattr(sender, "hostname", None) or f"pid{os.getpid()}"
     _beacon = ReadinessBeacon(context().redis, stages, node).start()
 
@@ -107,13 +130,12 @@ def _start_watchdog(sender=None, **_):
     s = get_settings()
     if not serves("postprocess", "collect") or s.watchdog_interval_s <= 0:
         return
-    import redis
-
     from llmpipe.deadletter import DeadLetters
     from llmpipe.jobs import JobStore
+    from llmpipe.redis_clients import from_settings
     from llmpipe.watchdog import Watchdog, WatchdogLoop
 
-    r = redis.Redis.from_url(s.redis_url, socket_timeout=5, socket_connect_timeout=3, health_check_interval=30)
+    r = from_settings(s, socket_timeout=5, socket_connect_timeout=3, health_check_interval=30)
     dl = DeadLetters(r, ttl_s=s.deadletter_ttl_s, max_entries=s.deadletter_max_entries)
     _watchdog = WatchdogLoop(Watchdog(r, JobStore(r, s.result_ttl_s), grace_s=s.watchdog_grace_s, deadletters=dl),
                              s.watchdog_interval_s).start()
@@ -128,7 +150,12 @@ def _stop_watchdog(**_):
 @task_failure.connect
 def _dead_letter(sender=None, task_id=None, exception=None, args=None, kwargs=None, **_):
     """A task raised an unexpected exception: its chord fails, so its job ends ``failed``
-    (the job record is what the API reads), and a dead letter is kept."""
+    (the job record is what the API reads), and a dead letter is kept. Not when the broker
+    refused the next stage: that message is requeued (llmpipe/requeue.py)."""
+    from llmpipe.requeue import requeued_on
+
+    if requeued_on(exception):
+        return
     try:
         from llmpipe.messages import ErrorReason, JobStatus
 

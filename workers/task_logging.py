@@ -12,35 +12,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
 
 from celery.signals import task_success
+
+from llmpipe.summaries import summarize  # noqa: F401 - also this module's API
 
 SUMMARY_FORMAT = "Task %(name)s[%(id)s] succeeded in %(runtime)ss: %(summary)s"
 
 _summaries: dict[str, str] = {}
 _lock = threading.Lock()
-
-
-def summarize(result: Any) -> str:
-    """Ids and sizes of a stage's return value (a message dict), without its content."""
-    if not isinstance(result, dict):
-        return type(result).__name__
-    parts = [f"{k}={result[k]}" for k in ("job_id", "index", "status") if result.get(k) is not None]
-    for key, label in (("prompt_token_ids", "prompt_tokens"), ("output_token_ids", "output_tokens"),
-                       ("token_ids", "output_tokens")):
-        if isinstance(result.get(key), list):
-            parts.append(f"{label}={len(result[key])}")
-    if isinstance(result.get("text"), str):
-        parts.append(f"text_chars={len(result['text'])}")
-    if isinstance(result.get("results"), list):
-        parts.append(f"results={len(result['results'])}")
-    if isinstance(result.get("usage"), dict):
-        u = result["usage"]
-        parts.append(f"tokens_in={u.get('prompt_tokens')} tokens_out={u.get('completion_tokens')}")
-    if isinstance(result.get("error"), dict):
-        parts.append(f"error={result['error'].get('reason')}")
-    return " ".join(parts) or "dict"
 
 
 _trace_log = logging.getLogger("celery.app.trace")

@@ -55,7 +55,7 @@ def _loadavg() -> str:
 @click.command()
 @click.option("--engine", "engines", default="all", show_default=True,
               help="real, simulated, noop, or all (comma-separated list allowed).")
-@click.option("--modes", callback=_csv(str), help=f"Comma-separated subset of: {', '.join(MODES)} (default: per engine); or scaling, alone.")
+@click.option("--modes", callback=_csv(str), help=f"Comma-separated subset of: {', '.join(MODES)} (default: per engine); or scaling, alone; or priority, alone (lanes: a batch backlog, interactive at 1 req/s).")
 @click.option("--concurrency", callback=_csv(int), help="Closed loop: comma-separated client counts (default: per engine).")
 @click.option("--rate", callback=_csv(float), help="Open loop instead: comma-separated Poisson arrival rates (req/s).")
 @click.option("--requests", type=int, help="Requests per load point (default: per engine and mode).")
@@ -81,10 +81,13 @@ def _loadavg() -> str:
 @click.option("--workers", callback=_csv(int), help="Scaling mode: inference worker counts (default 1,2,4).")
 @click.option("--hop-rtt-ms", type=float, help="Scaling mode: added round trip between two hosts (default 20).")
 @click.option("--cpu-instances", type=int, help="Scaling mode: Celery workers per CPU stage (default 4).")
+@click.option("--sim-continuous", is_flag=True,
+              help="Priority mode: the SIMULATED GPU schedules step by step by priority, as vLLM does (continuous batching).")
+@click.option("--lanes-off", is_flag=True, help="Priority mode: the control, the interactive requests in the batch lane too.")
 @click.pass_context
 def bench(ctx, engines, modes, concurrency, rate, requests, duration, prompt_tokens, max_tokens, model, real_engine,
           max_batch_size, cpu_workers, sim_preprocess_ms, sim_postprocess_ms, sim_prefill_ms_per_token, sim_step_ms,
-          sim_step_ms_per_seq, api, request_timeout, out, quick, workers, hop_rtt_ms, cpu_instances):
+          sim_step_ms_per_seq, api, request_timeout, out, quick, workers, hop_rtt_ms, cpu_instances, sim_continuous, lanes_off):
     """Benchmark serial, pipeline (no batching, 50 ms window, continuous) and `vllm serve`
     on real vLLM, a SIMULATED GPU and a no-op engine; writes report.md, results.json and
     plots to --out. `--modes scaling` instead runs 1, 2 and 4 inference workers on hosts
@@ -101,6 +104,30 @@ def bench(ctx, engines, modes, concurrency, rate, requests, duration, prompt_tok
         given = {k: v for k, v in ctx.params.items() if ctx.get_parameter_source(k) is not ParameterSource.DEFAULT}
         renames = {"sim_preprocess_ms": "sim_preprocess_cpu_ms", "sim_postprocess_ms": "sim_postprocess_cpu_ms"}
         sys.exit(bench_scaling({renames.get(k, k): v for k, v in given.items()}, Console(stderr=True, highlight=False)))
+
+    if modes and "priority" in modes:
+        if modes != ["priority"] or rate:
+            raise click.BadParameter("priority runs alone (no --rate)", param_hint="--modes")
+        from transformers import AutoTokenizer
+
+        from llmpipe.bench.priority import PriorityOptions, bench_priority
+        from llmpipe.models.registry import resolve_model
+        from llmpipe.settings import Settings
+
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        d = Settings()
+        sim = {"sim_prefill_ms_per_token": d.sim_prefill_ms_per_token if sim_prefill_ms_per_token is None else sim_prefill_ms_per_token,
+               "sim_step_ms": d.sim_step_ms if sim_step_ms is None else sim_step_ms,
+               "sim_step_ms_per_seq": d.sim_step_ms_per_seq if sim_step_ms_per_seq is None else sim_step_ms_per_seq,
+               "sim_preprocess_cpu_ms": sim_preprocess_ms, "sim_postprocess_cpu_ms": sim_postprocess_ms,
+               "sim_continuous": sim_continuous}
+        model_path = resolve_model(model or ("tiny" if quick else "smollm2"), d.models_dir, progress=False)
+        po = PriorityOptions(batch_jobs=requests or (30 if quick else 300), prompt_tokens=prompt_tokens or 512,
+                             max_tokens=max_tokens or 64, max_interactive=10 if quick else 200, control=lanes_off)
+        console = Console(stderr=True, highlight=False)
+        sys.exit(bench_priority(model_path, AutoTokenizer.from_pretrained(model_path), sim, out, console,
+                                max_batch=max_batch_size or 32, cpu_workers=cpu_workers, o=po))
 
     from llmpipe.bench.plan import ENGINES, Options, build_plans
     from llmpipe.bench.report import write_all

@@ -170,6 +170,7 @@ class OpenAIClient:
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    s.extra["done_at"] = time.time()  # epoch s: the stream's end, against the job's
                     break
                 chunk = json.loads(data)
                 if "job_id" not in s.extra and str(chunk.get("id", "")).startswith("cmpl-"):

@@ -20,7 +20,7 @@ from llmpipe.settings import EngineKind, Settings
 @dataclass(frozen=True)
 class Mode:
     name: str
-    kind: str  # "serial" | "pipeline" | "vllm-serve"
+    kind: str  # "serial" | "pipeline" | "floor" | "vllm-serve"
     window_ms: float = 0.0
     batched: bool = True  # False: max batch 1
     about: str = ""
@@ -33,6 +33,8 @@ MODES: dict[str, Mode] = {m.name: m for m in [
     Mode("pipeline-window50", "pipeline", 50, True, "the pipeline, dynamic batching with a 50 ms window"),
     Mode("pipeline-continuous", "pipeline", 0, True, "the pipeline, requests go to vLLM at once and join its running batch (continuous batching)"),
     Mode("vllm-serve", "vllm-serve", 0, True, "vLLM's own OpenAI server on the same model"),
+    Mode("celery-floor", "floor", 0, True, "the floor: the same three stages as bare Celery no-op tasks (same pools, "
+         "acks_late, JSON, task events) behind a minimal HTTP endpoint; no llmpipe bookkeeping"),
 ]}
 
 
@@ -139,6 +141,8 @@ def start_server(mode: Mode, eng: EngineSetup, redis_url: str, log_dir: Path, *,
 
     sup = Supervisor(log_dir, console=console, echo=False)
     port = free_port()
+    if mode.kind == "floor":
+        return _start_floor(mode, s, env, sup, port, ready_timeout)
     if mode.kind == "serial":
         argv = [sys.executable, "-m", "llmpipe.bench.serial_server", "--port", str(port)]
         child = sup.spawn("serial", argv, python_env({**settings_env(s), **env}))
@@ -165,3 +169,35 @@ def start_server(mode: Mode, eng: EngineSetup, redis_url: str, log_dir: Path, *,
         sup.stop(timeout=10)
         raise
     return Server(mode, url, protocols, {mode.kind: [child.proc.pid]}, log_dir, s, lambda: sup.stop(timeout=30))
+
+
+def _start_floor(mode: Mode, s: Settings, env: dict, sup, port: int, ready_timeout: float) -> Server:
+    """The celery-floor mode (llmpipe/bench/floor.py): a worker per stage, as the pipeline's, and its API."""
+    from celery import Celery
+
+    from llmpipe.bench.floor import QUEUES, floor_worker_argv
+    from llmpipe.local import settings_env
+    from llmpipe.supervisor import python_env
+
+    penv = python_env({**settings_env(s), **env})
+    pids = {}
+    for kind in QUEUES:
+        pids[kind] = [sup.spawn(kind, floor_worker_argv(kind, s, name=f"floor-{kind}-{port}@llmpipe"), penv).proc.pid]
+    pids["api"] = [sup.spawn("api", [sys.executable, "-m", "llmpipe.bench.floor", "--port", str(port)], penv).proc.pid]
+    url = f"http://127.0.0.1:{port}"
+    probe = Celery(broker=s.redis_url, backend=s.redis_url)
+    try:
+        _wait_http(url + "/healthz", sup, ready_timeout, mode.name)
+        end = time.monotonic() + ready_timeout
+        seen: set[str] = set()
+        while not set(QUEUES) <= seen:
+            if time.monotonic() > end or sup.exited():
+                raise ServerError(f"{mode.name}: workers {sorted(set(QUEUES) - seen)} not ready (logs in {sup.log_dir})")
+            seen = {n.split("@")[0].split("-")[1] for r in (probe.control.ping(timeout=0.5) or []) for n in r
+                    if n.startswith("floor-")}
+    except Exception:
+        sup.stop(timeout=10)
+        raise
+    finally:
+        probe.close()
+    return Server(mode, url, ("jobs",), pids, sup.log_dir, s, lambda: sup.stop(timeout=30))

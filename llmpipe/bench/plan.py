@@ -17,7 +17,7 @@ ENGINES = ("noop", "simulated", "real")
 # OpenAI streaming endpoint, as `vllm serve` is driven, with TTFT; noop and simulated use
 # the job API (see docs/benchmarks.md for why).
 PROFILES = {
-    "noop": {"modes": ["serial", "pipeline-window0", "pipeline-window50"], "concurrency": [1, 64],
+    "noop": {"modes": ["celery-floor", "serial", "pipeline-window0", "pipeline-window50"], "concurrency": [1, 64],
              "prompt_tokens": 512, "max_tokens": 64, "api": "jobs"},
     "simulated": {"modes": ["serial", "pipeline-nobatch", "pipeline-window50"], "concurrency": [1, 16, 64],
                   "prompt_tokens": 512, "max_tokens": 64, "api": "jobs"},
@@ -26,8 +26,9 @@ PROFILES = {
 }
 QUICK = {"modes": ["serial", "pipeline-window50"], "concurrency": [2], "prompt_tokens": 32, "max_tokens": 8,
          "requests": 6, "api": "jobs"}
-QUICK_MODES = {"noop": ["pipeline-window50"], "simulated": ["serial", "pipeline-window50"], "real": ["pipeline-window50"]}
+QUICK_MODES = {"noop": ["celery-floor", "pipeline-window50"], "simulated": ["serial", "pipeline-window50"], "real": ["pipeline-window50"]}
 VLLM_ONLY = {"pipeline-continuous", "vllm-serve"}
+NOOP_ONLY = {"celery-floor"}  # the floor runs no engine: its figures are the no-op engine's reference
 
 
 def default_requests(engine: str, mode: str, load: Load) -> tuple[int, float | None]:
@@ -82,6 +83,11 @@ def build_plans(o: Options, model_path: str, tokenizer, console=None) -> list[En
             modes = [m for m in modes if m not in VLLM_ONLY]
             if dropped:
                 notes.append(f"{', '.join(dropped)}: vLLM only, skipped for the {kind.value} engine")
+        if key != "noop":
+            dropped = [m for m in modes if m in NOOP_ONLY]
+            modes = [m for m in modes if m not in NOOP_ONLY]
+            if dropped:
+                notes.append(f"{', '.join(dropped)}: no engine, run with the noop engine only")
         if not modes:
             continue
         pt = o.prompt_tokens or prof["prompt_tokens"]

@@ -59,9 +59,9 @@ def _purpose(cmd: str, parts: list[str]) -> str:
 
 
 def _collect(url: str, seconds: float | None, stop: threading.Event, out: Counter, ready: threading.Event) -> None:
-    import redis
+    from llmpipe.redis_clients import connect
 
-    r = redis.Redis.from_url(url)
+    r = connect(url)
     end = time.monotonic() + seconds if seconds else None
     with r.monitor() as m:
         ready.set()

@@ -103,14 +103,24 @@ def trace_table(rows: list[dict]) -> list[str]:
     if not have:
         return []
     t = have[0]["redis_trace"]
-    out = [f"Redis commands per request by purpose ({have[0]['mode']}: MONITOR while {t['requests']} requests ran one "
-           f"at a time; background of {t['background_per_s']:g} commands/s subtracted):", "",
-           "| purpose | commands / request | by command |", "|---|---|---|"]
-    for k, v in t["per_request"].items():
-        out.append(f"| {k} | {v:g} | {', '.join(f'{c} {n:g}' for c, n in t['commands'][k].items())} |")
-    out.append(f"| **total** | **{t['total_per_request']:g}** | |")
-    others = ", ".join(f"{r['mode']} {r['redis_trace']['total_per_request']:g}" for r in have[1:])
-    return out + ([f"", f"Totals of the other traced modes: {others}."] if others else [])
+    out = [f"Redis commands per request by purpose (MONITOR while {t['requests']} requests ran one at a time; "
+           f"background commands/s subtracted), per traced mode:", "",
+           "| purpose | " + " | ".join(r["mode"] for r in have) + " |", "|---|" + "---|" * len(have)]
+    purposes = list(dict.fromkeys(k for r in have for k in r["redis_trace"]["per_request"]))
+    for k in purposes:
+        cells = []
+        for r in have:
+            tr = r["redis_trace"]
+            v = tr["per_request"].get(k)
+            cells.append("" if v is None else f"{v:g} ({', '.join(f'{c} {n:g}' for c, n in tr['commands'][k].items())})")
+        out.append(f"| {k} | " + " | ".join(cells) + " |")
+    out.append("| **total** | " + " | ".join(f"**{r['redis_trace']['total_per_request']:g}**" for r in have) + " |")
+    lags = [(r["mode"], r["stream_end"]) for r in rows if r.get("stream_end", {}).get("p50_ms") is not None]
+    for mode, lag in lags:
+        out += ["", f"{mode}: a stream ends {lag['p50_ms']:.1f} ms (p50), {lag['p90_ms']:.1f} ms (p90) after its job "
+                f"completed ({lag['n']} streaming requests one at a time; the client's [DONE] minus the job record's "
+                "terminal write)."]
+    return out
 
 
 def targets_table(targets: list[dict]) -> list[str]:

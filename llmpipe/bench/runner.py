@@ -19,6 +19,7 @@ from llmpipe.bench.loadgen import JobsClient, OpenAIClient, enrich, run_load
 from llmpipe.bench.modes import MODES, EngineSetup, Server, start_server
 from llmpipe.bench.redis_trace import trace
 from llmpipe.bench.stats import cdf_points, summarize
+from llmpipe.redis_clients import connect
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ def _client(server: Server, plan: EnginePlan, api: str):
 
 def run_plans(plans: list[EnginePlan], cfg: RunConfig, redis_url: str, console: Console) -> list[dict]:
     rows: list[dict] = []
-    r = redis.Redis.from_url(redis_url)
+    r = connect(redis_url)
     total_points = sum(len(loads) for p in plans for _, loads in p.points)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console, transient=False)
@@ -114,9 +115,12 @@ def run_plans(plans: list[EnginePlan], cfg: RunConfig, redis_url: str, console: 
                         lat = row["summary"]["latency_s"]["p50"]
                         console.print(f"{tag} {load.label}: {row['summary']['throughput_rps']:.2f} req/s, "
                                       f"p50 {lat * 1000 if lat else float('nan'):.0f} ms, errors {row['summary']['errors']}")
-                    if plan.setup.key == "noop" and mode.kind == "pipeline" and cfg.redis_trace:
+                    if plan.setup.key == "noop" and mode.kind in ("pipeline", "floor") and cfg.redis_trace:
                         progress.update(step, description=f"{tag}: Redis MONITOR trace")
                         rows[-len(loads)]["redis_trace"] = trace(redis_url, lambda: _sequential(client, plan, 10, cfg))
+                    if plan.setup.key == "noop" and mode.kind == "pipeline" and "openai" in server.protocols:
+                        progress.update(step, description=f"{tag}: stream ends")
+                        rows[-len(loads)]["stream_end"] = stream_end_lag(server, plan, r, cfg)
                 except Exception as e:
                     console.print(f"[red]{tag}: failed: {e}[/]")
                     console.print(traceback.format_exc(limit=3), markup=False)
@@ -136,6 +140,24 @@ def run_plans(plans: list[EnginePlan], cfg: RunConfig, redis_url: str, console: 
     return rows
 
 
+def stream_end_lag(server: Server, plan: EnginePlan, r: redis.Redis, cfg: RunConfig, n: int = 20) -> dict:
+    """How long after its job completed a stream ends: ``n`` streaming requests one at a
+    time (POST /v1/completions), each from the job record's terminal write (``updated_at``)
+    to the client's ``[DONE]``; both clocks are this machine's."""
+    from llmpipe.bench.stats import percentile
+
+    client = OpenAIClient(server.url, plan.max_tokens, plan.setup.model_path)
+    samples = asyncio.run(run_load(client, plan.prompts[:n], requests=n, concurrency=1, timeout_s=cfg.request_timeout_s))
+    lags = []
+    for s in samples:
+        job, done = s.extra.get("job_id"), s.extra.get("done_at")
+        ended = r.hget(f"llmpipe:job:{job}", "updated_at") if s.ok and job and done else None
+        if ended is not None:
+            lags.append((done - float(ended)) * 1000)
+    return {"n": len(lags), "p50_ms": percentile(lags, 50), "p90_ms": percentile(lags, 90), "max_ms": max(lags, default=None),
+            "method": "client [DONE] (epoch) minus the job record's updated_at at its terminal move"}
+
+
 def _sequential(client, plan: EnginePlan, n: int, cfg: RunConfig) -> int:
     samples = asyncio.run(run_load(client, plan.prompts[:n], requests=n, concurrency=1, timeout_s=cfg.request_timeout_s))
     return sum(s.ok for s in samples)
@@ -153,7 +175,7 @@ def _measure(plan: EnginePlan, server: Server, client, load: Load, cfg: RunConfi
     groups = dict(server.groups)
     groups["loadgen"] = [self_pid()]
     rinfo = None
-    if server.mode.kind == "pipeline":
+    if server.mode.kind in ("pipeline", "floor"):
         rinfo = redis_snapshot(r)
         pid = r.info("server").get("process_id")
         if pid:

@@ -30,11 +30,16 @@ from llmpipe.bench.stats import cdf_points, summarize
 from llmpipe.engines.simulated import SimulatedGpuCost
 from llmpipe.settings import EngineKind, Settings
 
-# The default SIMULATED costs x 4 (a GPU four times slower per token, or a model four times
-# larger): a batch of 8 of the default requests (512 + 64 tokens) "runs" ~3.1 s, so a worker
-# serves ~2.6 req/s and four serve ~10 req/s, a quarter of what the whole pipeline's CPU
-# allows on 2 cores (~40 req/s, docs/benchmarks.md). The GPU, not the CPU, is the limit.
-SIM_SCALE = 4.0
+# The default SIMULATED costs x 8: prefill 0.8 ms/token and a decode step of 36.8 ms + 1.2 ms
+# per extra sequence (a GPU eight times slower per token, or a model that much larger). A
+# batch of 8 of the default requests (512 + 64 tokens) "runs" ~6.2 s, so a worker serves
+# ~1.3 req/s and four ~5.2 req/s. Every request still costs ~100 ms of CPU on this path (the
+# pipeline, the proxies and the load generator; measured at four workers), so four workers
+# need ~0.5 core: a quarter of the 2-core machine, leaving room for its other users. At x4
+# four workers needed ~1.3 cores, and with other users taking half the machine the CPU side,
+# not the GPU workers, capped 4 workers at c=128 (2.71x, half-full batches;
+# docs/benchmarks.md, "Why 4 workers at c=128 missed").
+SIM_SCALE = 8.0
 FULL = {"workers": [1, 2, 4], "concurrency": [64, 128], "network_concurrency": [1, 64], "prompt_tokens": 512,
         "max_tokens": 64, "max_batch": 8, "sim_scale": SIM_SCALE, "cpu_workers": 2, "cpu_instances": 4}
 QUICK = {"workers": [1, 2, 4], "concurrency": [8], "network_concurrency": [1], "prompt_tokens": 32, "max_tokens": 8,

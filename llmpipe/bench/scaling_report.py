@@ -39,12 +39,17 @@ def analyze(rows: list[dict], hops: str, max_batch: int, concurrency: list[int],
             speedup = x / one["summary"]["throughput_rps"] if one else None
             means = {k: v["mean_batch"] for k, v in r["per_worker"].items()}
             cpu_s, share = _pipeline_cpu(r)
+            # The load generator and other users' processes share the cores: a point where
+            # the machine is busy all the time is CPU-bound, whatever the GPU workers could do.
+            machine = r["cpu"]["wall_s"] * r["cpu"]["cores"]
             scaling.append({"concurrency": c, "workers": w, "throughput_rps": x, "speedup": speedup,
                             "capacity_rps": r["capacity_rps"], "of_capacity": x / r["capacity_rps"],
                             "p50_s": r["summary"]["latency_s"]["p50"], "p99_s": r["summary"]["latency_s"]["p99"],
                             "mean_batch_per_worker": means, "errors": r["summary"]["errors"],
                             "cpu_ms_per_request": cpu_s / max(1, r["requests"]) * 1000, "cpu_share": share,
-                            "other_cpu_share": r["cpu"]["other_cpu_s"] / (r["cpu"]["wall_s"] * r["cpu"]["cores"])})
+                            "loadgen_cpu_share": r["cpu"]["cpu_s"].get("loadgen", 0.0) / machine,
+                            "other_cpu_share": r["cpu"]["other_cpu_s"] / machine,
+                            "machine_busy": r["cpu"]["system_cpu_s"] / machine})
             if quick:
                 continue
             if w in TARGETS and speedup is not None:
@@ -80,14 +85,15 @@ def markdown(result: dict) -> str:
              f"took {m['duration_s']:.0f} s.", "", result["conditions"], "",
              "## Throughput against inference workers", "",
              "| c | workers | req/s | speed-up vs 1 | of capacity | p50 ms | p99 ms | mean batch per worker "
-             "| errors | CPU ms/req | CPU use (machine) | other processes |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| errors | CPU ms/req | CPU use (machine) | load generator | other processes | machine busy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in a["scaling"]:
         means = ", ".join(f"{v:.1f}" if v else "n/a" for v in s["mean_batch_per_worker"].values())
         sp = "n/a" if s["speedup"] is None else f"{s['speedup']:.2f}x"
         lines.append(f"| {s['concurrency']} | {s['workers']} | {s['throughput_rps']:.2f} | {sp} | "
                      f"{s['of_capacity'] * 100:.0f}% | {_ms(s['p50_s'])} | {_ms(s['p99_s'])} | {means} | {s['errors']} | "
-                     f"{s['cpu_ms_per_request']:.0f} | {s['cpu_share'] * 100:.0f}% | {s['other_cpu_share'] * 100:.0f}% |")
+                     f"{s['cpu_ms_per_request']:.0f} | {s['cpu_share'] * 100:.0f}% | {s['loadgen_cpu_share'] * 100:.0f}% | "
+                     f"{s['other_cpu_share'] * 100:.0f}% | {s['machine_busy'] * 100:.0f}% |")
     lines += ["", "## What the hops add (one inference worker)", "",
               "| c | one host p50 / p99 ms | hosts p50 / p99 ms | added p50 ms | added p99 ms | req/s one host / hosts |",
               "|---|---|---|---|---|---|"]

@@ -96,15 +96,15 @@ def summarize(samples: list[Sample], warmup: int, concurrency: int | None = None
         intervals = [s.engine_interval for s in with_engine]
         out["engine_busy"] = {"fraction": union_length(intervals, lo, hi) / window,
                               "method": "server: union of per-request engine intervals (from timings + engine_time_s)"}
-        overhead = [s.latency_s - s.engine_time_s for s in ok if s.engine_time_s is not None]
-        out["overhead_s"] = pcts(overhead)
-        out["engine_time_s"] = pcts([s.engine_time_s for s in ok if s.engine_time_s is not None])
     else:
         intervals = [(s.start, s.end) for s in samples if s.ok]
         out["engine_busy"] = {"fraction": union_length(intervals, lo, hi) / window,
                               "method": "client: union of request in-flight intervals (an upper bound)"}
-        out["overhead_s"] = None
-        out["engine_time_s"] = None
+    # End-to-end minus engine time, wherever the server reports engine time (the celery
+    # floor reports 0 and no stage timings).
+    timed = [s for s in ok if s.engine_time_s is not None]
+    out["overhead_s"] = pcts([s.latency_s - s.engine_time_s for s in timed]) if timed else None
+    out["engine_time_s"] = pcts([s.engine_time_s for s in timed]) if timed else None
     stages: dict[str, dict[str, float | None]] = {}
     for stage in ("preprocess", "inference", "postprocess"):
         for part in ("queue_wait_s", "run_s"):

@@ -71,6 +71,7 @@ def evaluate(rows: list[dict], theoretical: dict[str, float]) -> list[dict]:
             d, detail = (_p(idle) - _p(w0)) * 1000, e2e
         out.append(_t("noop: idle latency added by the 50 ms window (p50, window 50 minus window 0, one client)",
                       "<= 5 ms (0, not 50)", d, d <= 5.0, detail))
+    out += floor_targets(rows)
     # Real vLLM: the pipeline's continuous batching against `vllm serve` at the same concurrency.
     for mode in ("pipeline-continuous", "pipeline-window50"):
         load = _top_common_load(rows, "real", mode, "vllm-serve")
@@ -84,4 +85,44 @@ def evaluate(rows: list[dict], theoretical: dict[str, float]) -> list[dict]:
         if pp and pv:
             out.append(_t(f"real vLLM: {mode} p99 vs vllm serve", "<= 1.1x", pp / pv, pp / pv <= 1.1,
                           f"{load}: {pp * 1000:.0f} vs {pv * 1000:.0f} ms"))
+    return out
+
+
+def servers_cpu_ms(row: dict) -> float | None:
+    """CPU ms per request of the serving processes (API, workers, Redis; not the load generator)."""
+    c = row.get("cpu")
+    if not c:
+        return None
+    return sum(v for g, v in c["cpu_s"].items() if g != "loadgen") / max(1, row["requests"]) * 1000
+
+
+def floor_targets(rows: list[dict], mode: str = "pipeline-window50", floor: str = "celery-floor") -> list[dict]:
+    """Issue 11: the pipeline's per-request cost against the celery floor's, same run."""
+    out: list[dict] = []
+    for load in ("c=64", "c=1"):
+        p, f = _find(rows, "noop", mode, load), _find(rows, "noop", floor, load)
+        if p and f and load == "c=64":
+            rp, rf = p["summary"]["throughput_rps"], f["summary"]["throughput_rps"]
+            out.append(_t("noop: capacity at c=64 vs the celery floor", ">= 0.8x", rp / rf if rf else None,
+                          bool(rf) and rp / rf >= 0.8, f"{mode} {rp:.1f} req/s, floor {rf:.1f} req/s"))
+            cp, cf = servers_cpu_ms(p), servers_cpu_ms(f)
+            if cp and cf:
+                out.append(_t("noop: serving CPU per request vs the celery floor (c=64)", "<= 1.3x", cp / cf,
+                              cp / cf <= 1.3, f"{cp:.1f} vs {cf:.1f} ms/request (API, workers, Redis)"))
+        if p and f and load == "c=1" and p["summary"].get("overhead_s") and f["summary"].get("overhead_s"):
+            op, of = p["summary"]["overhead_s"]["p50"] * 1000, f["summary"]["overhead_s"]["p50"] * 1000
+            out.append(_t("noop: idle overhead (p50, end-to-end minus engine time) minus the floor's", "<= 3 ms and <= 10 ms "
+                          "in all", op - of, op - of <= 3.0 and op <= 10.0, f"{op:.1f} ms vs floor {of:.1f} ms"))
+    tp = next((r["redis_trace"] for r in rows if r["mode"] == mode and r.get("redis_trace")), None)
+    tf = next((r["redis_trace"] for r in rows if r["mode"] == floor and r.get("redis_trace")), None)
+    if tp and tf:
+        d = tp["total_per_request"] - tf["total_per_request"]
+        out.append(_t("noop: Redis commands per single-prompt request minus the floor's", "<= 15", d, d <= 15,
+                      f"{tp['total_per_request']:g} vs {tf['total_per_request']:g} (MONITOR, idle, background subtracted)"))
+    p = _find(rows, "noop", mode, "c=1")
+    lag = (p or {}).get("stream_end") or {}
+    if lag.get("p50_ms") is not None:
+        out.append(_t("noop: a stream's end after its job completed (p50)", "<= 5 ms", lag["p50_ms"], lag["p50_ms"] <= 5.0,
+                      f"{lag['n']} streaming requests one at a time; p90 {lag['p90_ms']:.1f} ms; client's [DONE] "
+                      "minus the job record's terminal write"))
     return out

@@ -61,5 +61,9 @@ def _create_engine(settings: Settings, model_path: str | None) -> Engine:
             step_per_seq_s=settings.sim_step_ms_per_seq / 1000.0,
             max_batch_size=settings.max_batch_size,
         )
+        if settings.sim_continuous:
+            from llmpipe.engines.simulated import SimulatedContinuousEngine
+
+            return SimulatedContinuousEngine(cost, max_model_len=settings.max_model_len)
         return SimulatedGpuEngine(cost, max_model_len=settings.max_model_len)
     raise ValueError(f"unknown engine {settings.engine!r}")  # pragma: no cover - EngineKind is closed

@@ -22,7 +22,8 @@ Keys (all optional):
 - ``task_delay_s``: {task name: s}: a worker sleeps this long at the start of that task
   (Celery ``task_prerun``), so a test can kill a pre/postprocess worker mid-task;
 - both delays can also be set while the workers run, in the Redis hash
-  ``llmpipe:test:delays`` (field ``batch`` or a task name, value in seconds);
+  ``llmpipe:test:delays`` (field ``batch`` or a task name, value in seconds); such a delay
+  is a hold: it ends early when the field is deleted (a test clears it at a kill);
 - ``ledger``: count, per request id, engine attempts and completions in the Redis hashes
   ``llmpipe:test:engine-started`` and ``llmpipe:test:engine-done``.
 
@@ -54,13 +55,35 @@ DELAYS_KEY = "llmpipe:test:delays"
 
 
 def _runtime_delay(r: Any, name: str) -> float:
+    """The delay set for ``name`` in DELAYS_KEY (0 when none). A failed read is tried again:
+    a test that set a delay counts on it holding the work."""
     if r is None:
         return 0.0
-    try:
-        v = r.hget(DELAYS_KEY, name)
-    except Exception:
-        return 0.0
-    return float(v) if v else 0.0
+    for attempt in range(3):
+        try:
+            v = r.hget(DELAYS_KEY, name)
+            return float(v) if v else 0.0
+        except Exception as exc:
+            log.warning("fault delay %s not read (attempt %d: %s)", name, attempt + 1, exc)
+            time.sleep(0.1)
+    return 0.0
+
+
+def _hold(r: Any, name: str, seconds: float, *, every: float = 0.05,
+          clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+    """Sleep up to ``seconds``, less when the test clears the delay meanwhile. A test sets
+    a long hold so that a slow step of its own (rabbitmqctl takes seconds on a busy host)
+    cannot outlast it, and clears it at the kill so that the survivors go on at once."""
+    end = clock() + seconds
+    while (left := end - clock()) > 0:
+        sleep(min(every, left))
+        if r is None:
+            continue
+        try:
+            if not r.hexists(DELAYS_KEY, name):
+                return
+        except Exception:  # cannot tell: hold on, to the end at most
+            pass
 
 
 @dataclass(frozen=True)
@@ -117,10 +140,13 @@ class FaultInjectingEngine(Engine):
     def _ledger(self, key: str, batch: list[EngineRequest]) -> None:
         if not (self.spec.ledger and self._r is not None):
             return
-        pipe = self._r.pipeline(transaction=False)
-        for r in batch:
-            pipe.hincrby(key, r.request_id, 1)
-        pipe.execute()
+        try:
+            pipe = self._r.pipeline(transaction=False)
+            for r in batch:
+                pipe.hincrby(key, r.request_id, 1)
+            pipe.execute()
+        except Exception as exc:  # a test hook: a Redis outage must not change what the engine does
+            log.warning("fault ledger %s not counted for %d requests (%s)", key, len(batch), exc)
 
     def generate(self, batch: list[EngineRequest], on_tokens: TokenCallback | None = None) -> list[EngineOutput]:
         texts = [self._decode(r.prompt_token_ids) for r in batch]
@@ -138,9 +164,10 @@ class FaultInjectingEngine(Engine):
             raise EngineDeadError(f"injected engine death, every time (a prompt holds {s.die_always!r})")
         if has(s.die) and (not s.die_once or self._r is None or self._r.set(DIED_KEY, 1, nx=True, ex=3600)):
             raise EngineDeadError(f"injected engine death (a prompt holds {s.die!r})")
-        delay = s.batch_delay_s or _runtime_delay(self._r, "batch")
-        if delay > 0:
-            time.sleep(delay)
+        if s.batch_delay_s > 0:
+            time.sleep(s.batch_delay_s)
+        else:
+            _hold(self._r, "batch", _runtime_delay(self._r, "batch"))
         if has(s.crash):
             raise RuntimeError(f"injected unexpected exception (a prompt holds {s.crash!r})")
         if has(s.poison):
@@ -175,7 +202,7 @@ def wrap_from_env(engine: Engine, settings: Any, model_path: str | None) -> Engi
     spec = FaultSpec.from_env()
     if spec is None:
         return engine
-    import redis
+    from llmpipe.redis_clients import from_settings
 
     tok = None
     lock = threading.Lock()
@@ -191,7 +218,7 @@ def wrap_from_env(engine: Engine, settings: Any, model_path: str | None) -> Engi
                 tok = AutoTokenizer.from_pretrained(model_path)
         return tok.decode(ids)
 
-    r = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=3)
+    r = from_settings(settings, socket_timeout=5, socket_connect_timeout=3)
     return FaultInjectingEngine(engine, spec, decode, r)
 
 
@@ -209,14 +236,15 @@ def install_task_hooks() -> None:
 
     @task_prerun.connect(weak=False)
     def _delay(sender=None, task=None, **_):
-        import redis
+        from llmpipe.redis_clients import from_settings
 
         name = getattr(task, "name", None) or getattr(sender, "name", "")
         r = clients.get(os.getpid())
         if r is None:
-            r = clients[os.getpid()] = redis.Redis.from_url(get_settings().redis_url, socket_timeout=2)
-        d = delays.get(name) or _runtime_delay(r, name)
-        if d:
-            time.sleep(d)
+            r = clients[os.getpid()] = from_settings(get_settings(), socket_timeout=2)
+        if delays.get(name):
+            time.sleep(delays[name])
+        else:
+            _hold(r, name, _runtime_delay(r, name))
 
     log.warning("FAULT INJECTION is on: task delays %s", delays)

@@ -36,10 +36,11 @@ _VLLM_DEFAULTS: dict[Platform, dict[str, Any]] = {
     # dtype auto: the checkpoint's own (bf16 for most), on tensor cores; CUDA graphs on;
     # max_num_seqs absent: vLLM's own default, so that continuous batching is not capped by
     # the size of one dispatch batch.
-    Platform.CUDA: {"dtype": "auto", "enforce_eager": False, "gpu_memory_utilization": 0.9, "max_num_seqs": None},
+    Platform.CUDA: {"dtype": "auto", "enforce_eager": False, "gpu_memory_utilization": 0.9, "max_num_seqs": None,
+                    "scheduling_policy": "priority"},
     # vLLM-CPU's tested path: float32, eager, the running set as large as a dispatch batch.
     Platform.CPU: {"dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.85,
-                   "max_num_seqs": "max_batch_size"},
+                   "max_num_seqs": "max_batch_size", "scheduling_policy": "priority"},
 }
 # The transformers engine: bf16 on a GPU (a float32 checkpoint would stay float32 with
 # "auto"), float32 on the CPU, where bf16 matmuls are slow or missing.
@@ -96,10 +97,19 @@ def engine_config(s: Settings, platform: Platform | None = None, *, vllm_fields:
         _pick(cfg, "max_model_len", s.max_model_len, None)
         _pick(cfg, "enforce_eager", s.enforce_eager, d["enforce_eager"])
         _pick(cfg, "gpu_memory_utilization", s.gpu_memory_utilization, d["gpu_memory_utilization"])
+        n = len(s.served.models)
+        if s.gpu_memory_utilization is None and n > 1 and cfg.platform is Platform.CUDA:
+            # Several models (llmpipe/models/served.py): `llmpipe up` starts their engines on
+            # the one GPU, and each takes its fraction of the whole GPU, so by default they
+            # share the default's 0.9. Where each has a GPU of its own, set the setting.
+            cfg.args["gpu_memory_utilization"] = round(d["gpu_memory_utilization"] / n, 3)
+            cfg.sources["gpu_memory_utilization"] = f"{_platform_source(cfg.platform)}, shared by {n} models"
         seqs = s.max_batch_size if d["max_num_seqs"] == "max_batch_size" else d["max_num_seqs"]
         _pick(cfg, "max_num_seqs", s.max_num_seqs, seqs)
         if "max_num_seqs" not in cfg.args:
             cfg.sources["max_num_seqs"] = f"vLLM's own default (on {cfg.platform.value})"
+        # Priority lanes hold inside the engine: requests carry their priority (llmpipe/lanes.py).
+        _pick(cfg, "scheduling_policy", None, d["scheduling_policy"])
         # The API refuses logprobs requests over this; vLLM must allow as many.
         cfg.args["max_logprobs"], cfg.sources["max_logprobs"] = s.max_logprobs, SETTING
         for k, v in convert_engine_args(s.engine_args, vllm_fields).items():

@@ -9,10 +9,16 @@ where ``steps`` is the longest output in the batch (``max_tokens`` unless a stop
 it short). Batches larger than ``max_batch_size`` run as consecutive chunks. The thread
 sleeps, so it uses no CPU. Output ids are deterministic: the prompt's ids, cycled (so they
 are valid ids for whatever tokenizer made the prompt).
+
+``SimulatedContinuousEngine`` (``sim_continuous``) charges the same costs step by step, as
+vLLM v1 schedules them: a token budget per step (chunked prefill), running requests first,
+waiting ones by priority (see its docstring).
 """
 
 from __future__ import annotations
 
+import heapq
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +26,8 @@ from dataclasses import dataclass
 
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
 from llmpipe.messages import FinishReason
+
+log = logging.getLogger("llmpipe.simulated")
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,9 @@ class SimulatedGpuCost:
     step_base_s: float = 0.0046
     step_per_seq_s: float = 0.00015
     max_batch_size: int = 64
+    # The continuous engine's token budget per step (vLLM's max_num_batched_tokens; 2048 is
+    # its default for an engine built from AsyncEngineArgs, chunked prefill on).
+    max_num_batched_tokens: int = 2048
 
     def step_s(self, batch_size: int) -> float:
         return self.step_base_s + self.step_per_seq_s * max(0, batch_size - 1)
@@ -122,3 +133,182 @@ class SimulatedGpuEngine(Engine):
 
     def shutdown(self) -> None:
         pass
+
+
+@dataclass
+class _Seq:
+    req: EngineRequest
+    tokens: list[int]
+    reason: FinishReason
+    done: threading.Event
+    produced: int = 0
+    prefilled: int = 0  # prompt tokens computed so far (chunked prefill)
+    first_at: float | None = None
+    cancelled: bool = False
+    arrived: float = 0.0  # engine clock: when generate() handed it over
+    admitted: float | None = None  # engine clock: when it joined the running set
+    finished: float | None = None  # engine clock
+
+    @property
+    def prompt_len(self) -> int:
+        return max(1, len(self.req.prompt_token_ids))
+
+
+class SimulatedContinuousEngine(SimulatedGpuEngine):
+    """The same cost model, scheduled step by step as vLLM v1's scheduler does it with
+    ``scheduling_policy="priority"`` and chunked prefill (vllm/v1/core/sched/scheduler.py,
+    ``Scheduler.schedule``):
+
+    * each step has a budget of ``max_num_batched_tokens`` tokens (vLLM's default for an
+      engine built from ``AsyncEngineArgs``: 2048);
+    * the running requests are scheduled first, in the order they joined: one token for a
+      decode, the rest of the prompt (as much as the budget leaves) for a prefill;
+    * then waiting requests join by priority (lower first, then arrival) while budget is
+      left and fewer than ``max_batch_size`` (vLLM's ``max_num_seqs``) run; the last one
+      may get only a chunk of its prompt;
+    * a request emits its first token in the step that computes the last of its prompt,
+      then one per step;
+    * a step costs ``prefill_s_per_token`` per prompt token computed in it plus
+      ``step_s(requests in the step)``;
+    * no preemption: vLLM preempts (the lowest priority first) only when the KV cache
+      cannot hold the next tokens, and the SIMULATED GPU has no KV cache limit. A waiting
+      high-priority request does not displace running ones when the running set is full.
+    """
+
+    continuous = True
+
+    def __init__(self, cost: SimulatedGpuCost | None = None, *, start: bool = True, **kw) -> None:
+        """``start=False``: no scheduler thread; the caller drives the steps in its own time
+        (``enqueue``, ``schedule_step``, ``step_cost_s``, ``apply_step``: llmpipe/bench/priority_engine.py)."""
+        super().__init__(cost, **kw)
+        self._cond = threading.Condition()
+        self._waiting: list[tuple[int, int, _Seq]] = []
+        self._running: list[_Seq] = []
+        self._arrivals = 0
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        if start:
+            self._thread = threading.Thread(target=self._loop, name="simulated-scheduler", daemon=True)
+            self._thread.start()
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.cost.max_batch_size
+
+    def enqueue(self, r: EngineRequest) -> _Seq:
+        """Into the waiting queue; call with the lock held (or without a scheduler thread)."""
+        toks, reason = self._tokens(r)
+        s = _Seq(r, toks, reason, threading.Event(), arrived=self._clock())
+        heapq.heappush(self._waiting, (r.priority, self._arrivals, s))
+        self._arrivals += 1
+        return s
+
+    def generate(self, batch: list[EngineRequest], on_tokens: TokenCallback | None = None) -> list[EngineOutput]:
+        with self._cond:
+            seqs = [self.enqueue(r) for r in batch]
+            self._cond.notify_all()
+        outs = []
+        for s in seqs:
+            s.done.wait()
+            if s.cancelled:
+                outs.append(EngineOutput(s.req.request_id, s.tokens[: s.produced], FinishReason.CANCELLED))
+                continue
+            if on_tokens is not None:
+                on_tokens(s.req.request_id, list(s.tokens))
+            outs.append(EngineOutput(s.req.request_id, s.tokens, s.reason, first_token_at=s.first_at,
+                                     extra={"simulated": True}))
+        return outs
+
+    def abort(self, request_ids: list[str]) -> None:
+        ids = set(request_ids)
+        with self._cond:
+            for s in [*self._running, *(w[2] for w in self._waiting)]:
+                if s.req.request_id in ids:
+                    s.cancelled = True
+            self._cond.notify_all()
+
+    def schedule_step(self) -> list[tuple[_Seq, int]]:
+        """One step's schedule, (request, tokens) pairs; call with the lock held. Moves the
+        waiting requests it admits into the running set."""
+        budget = self.cost.max_num_batched_tokens
+        step: list[tuple[_Seq, int]] = []
+        for s in self._running:
+            if budget <= 0:
+                break
+            n = min(budget, s.prompt_len - s.prefilled) if s.prefilled < s.prompt_len else 1
+            step.append((s, n))
+            budget -= n
+        while self._waiting and budget > 0 and len(self._running) < self.cost.max_batch_size:
+            s = heapq.heappop(self._waiting)[2]
+            s.admitted = self._clock()
+            self._running.append(s)
+            n = min(budget, s.prompt_len)
+            step.append((s, n))
+            budget -= n
+        return step
+
+    def step_cost_s(self, step: list[tuple[_Seq, int]]) -> float:
+        prefill = sum(n for s, n in step if s.prefilled < s.prompt_len)
+        return self.cost.prefill_s_per_token * prefill + self.cost.step_s(len(step))
+
+    def _finish(self, s: _Seq) -> None:
+        self.requests += 1
+        s.finished = end = self._clock()
+        s.done.set()
+        if not s.cancelled and s.admitted is not None:
+            # Where its engine time went (benchmarks read it from the worker's log).
+            log.info("simulated request=%s priority=%d engine_wait_s=%.3f engine_run_s=%.3f",
+                     s.req.request_id, s.req.priority, s.admitted - s.arrived, end - s.admitted)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._running and not self._stopped:
+                    self._cond.wait()
+                if self._stopped:
+                    for s in [*self._running, *(w[2] for w in self._waiting)]:
+                        s.cancelled = True
+                        s.done.set()
+                    return
+                # Aborted requests leave before the step (vLLM frees them at once).
+                for s in [s for s in self._running if s.cancelled]:
+                    self._running.remove(s)
+                    self._finish(s)
+                gone = [w for w in self._waiting if w[2].cancelled]
+                if gone:
+                    self._waiting = [w for w in self._waiting if not w[2].cancelled]
+                    heapq.heapify(self._waiting)
+                    for w in gone:
+                        self._finish(w[2])
+                step = self.schedule_step()
+                if not step:
+                    continue
+                cost_s = self.step_cost_s(step)
+            t0 = self._clock()
+            self._sleep(cost_s)
+            now = time.time()
+            with self._cond:
+                self.busy_s += self._clock() - t0
+                self.apply_step(step, now)
+
+    def apply_step(self, step: list[tuple[_Seq, int]], now: float) -> None:
+        """What a step computed; call with the lock held. Finished requests leave."""
+        self.batches += 1
+        for s, n in step:
+            if s.prefilled < s.prompt_len:
+                s.prefilled += n
+                if s.prefilled < s.prompt_len:
+                    continue  # a chunk of its prompt: no token yet
+            s.produced += 1
+            if s.first_at is None:
+                s.first_at = now
+            if s.cancelled or s.produced >= len(s.tokens):
+                self._running.remove(s)
+                self._finish(s)
+
+    def shutdown(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout=5)

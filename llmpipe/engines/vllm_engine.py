@@ -80,11 +80,17 @@ class VllmEngine(Engine):
 
         from vllm.engine.arg_utils import AsyncEngineArgs
 
+        from llmpipe.engines import vllm_core_guard
+
+        vllm_core_guard.install()  # no orphaned engine core when this worker is killed
         self._model = model
         args: dict[str, Any] = {
             "dtype": "auto",
             "enforce_eager": True,
             "seed": 0,
+            # Priority lanes hold inside the engine too: vLLM schedules waiting (and, under KV
+            # pressure, preempts running) requests by priority, lower first (llmpipe/lanes.py).
+            "scheduling_policy": "priority",
             "kv_cache_memory_bytes": kv_bytes,
             "disable_log_stats": True,  # our own stat logger below still gets the stats
             **engine_args,
@@ -95,6 +101,8 @@ class VllmEngine(Engine):
             self._args = AsyncEngineArgs(model=model, skip_tokenizer_init=SKIP_TOKENIZER_INIT, **args)
         except Exception as e:
             raise EngineError(f"bad vLLM engine arguments for {model!r}: {type(e).__name__}: {e}") from e
+        # vLLM refuses a non-zero priority under fcfs (scheduling_policy set by an engine argument).
+        self._priorities = getattr(self._args, "scheduling_policy", "fcfs") == "priority"
         self._stats = StatsSink()
         self._lock = threading.Lock()
         self._inflight: Counter[str] = Counter()
@@ -162,6 +170,11 @@ class VllmEngine(Engine):
         return self._max_model_len
 
     @property
+    def max_num_seqs(self) -> int | None:
+        """vLLM's running set when the pipeline sets it (None: vLLM's own default)."""
+        return getattr(self._args, "max_num_seqs", None)
+
+    @property
     def eos_token_ids(self) -> list[int]:
         return list(self._eos_ids)
 
@@ -187,7 +200,8 @@ class VllmEngine(Engine):
         callback_ok = on_tokens is not None
         try:
             gen = self._llm.generate(TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)),
-                                     self._sampling_params(req.params), rid)
+                                     self._sampling_params(req.params), rid,
+                                     priority=req.priority if self._priorities else 0)
             async for out in gen:
                 comp = out.outputs[0]
                 if out.prompt_logprobs and prompt_logprobs is None:

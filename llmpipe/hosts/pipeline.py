@@ -59,6 +59,9 @@ class HostsPipeline:
     # worker's main process fetches, acks and reports every task, one Redis round trip
     # after another, so far from Redis it caps a stage whatever its pool size.
     cpu_instances: int = 1
+    # A Redis the caller started (a Sentinel group, llmpipe/hosts/sentinel.py): every host
+    # uses this URL as it is, and no Redis is started here.
+    redis_url: str | None = None
     inference: list[Child] = field(default_factory=list)
     roles: dict[str, list[Child]] = field(default_factory=dict)
 
@@ -70,12 +73,16 @@ class HostsPipeline:
         return self.hosts.route(src, dst, port)
 
     def redis_url_from(self, host: str) -> str:
+        if self.redis_url is not None:
+            return self.redis_url
         return f"redis://{self._reach(host, self.placement.redis, REDIS_PORT)}/0"
 
     @property
     def control_redis_url(self) -> str:
         """For the harness's own reads from the client host (pings, queue depths): direct
         to Redis, so that its bookkeeping is never delayed and never slows the proxies."""
+        if self.redis_url is not None:
+            return self.redis_url
         return f"redis://{self.hosts.addr(self.placement.redis)}:{REDIS_PORT}/0"
 
     @property
@@ -109,7 +116,8 @@ class HostsPipeline:
         for name in p.names:
             if name not in self.hosts.hosts:
                 self.hosts.add(name)
-        self.hosts.start_redis(p.redis, port=REDIS_PORT)
+        if self.redis_url is None:
+            self.hosts.start_redis(p.redis, port=REDIS_PORT)
         for kind in ("preprocess", "postprocess"):
             for i in range(self.cpu_instances):
                 self._worker(p.cpu, kind, f"{kind}-{i + 1}@{p.cpu}" if self.cpu_instances > 1 else f"{kind}@{p.cpu}")
@@ -138,9 +146,9 @@ class HostsPipeline:
         self.hosts.call(self.placement.client, self._wait_ready, self.api_url, timeout)
 
     def _wait_ready(self, api_url: str, timeout: float) -> None:
-        from celery import Celery
+        from llmpipe.redis_clients import celery_probe
 
-        probe = Celery(broker=self.control_redis_url, backend=self.control_redis_url)
+        probe = celery_probe(self.control_redis_url, master_name=self.settings.redis_sentinel_master)
         end = time.monotonic() + timeout
         missing: list[str] = []
         try:

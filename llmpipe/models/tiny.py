@@ -49,10 +49,10 @@ _HERE = Path(__file__).resolve().parent
 CORPUS = _HERE / "corpus.txt"
 
 
-def _recipe() -> str:
+def _recipe(seed: int = 0) -> str:
     versions = [f"{d}=={metadata.version(d)}" for d in ("torch", "transformers", "tokenizers")]
     return recipe_key(
-        "tiny-v1",
+        "tiny-v1" if seed == 0 else f"tiny-v1-seed{seed}",
         CORPUS.read_bytes(),
         Path(__file__).read_bytes(),
         (_HERE / "_build.py").read_bytes(),
@@ -79,7 +79,7 @@ def _train_tokenizer():
     return tok
 
 
-def _write(tmp: Path) -> None:
+def _write(tmp: Path, seed: int = 0) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -104,7 +104,7 @@ def _write(tmp: Path) -> None:
     )
     config.architectures = ["LlamaForCausalLM"]
     with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         model = LlamaForCausalLM(config).to(torch.float32).eval()
     model.generation_config = GenerationConfig(
         bos_token_id=ids[BOS],
@@ -119,8 +119,10 @@ def _write(tmp: Path) -> None:
     portable_files(tmp, "float32")
 
 
-def build_tiny(dest: Path) -> Path:
-    """Build the tiny test model into ``dest`` (skipped when already built); returns its path."""
-    path, _ = build_once(Path(dest), _recipe(), _write)
+def build_tiny(dest: Path, seed: int = 0) -> Path:
+    """Build the tiny test model into ``dest`` (skipped when already built); returns its path.
+    ``seed``: another seed gives another model of the same shape and tokenizer (the
+    multi-model tests serve two that answer differently)."""
+    path, _ = build_once(Path(dest), _recipe(seed), lambda tmp: _write(tmp, seed))
     return path
 

@@ -6,16 +6,16 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-import redis.exceptions
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from llmpipe.messages import ErrorReason, JobResult, JobStatus, PromptResult, Stage, StageError, Usage
+from llmpipe.redis_clients import UNAVAILABLE_ERRORS
 
 log = logging.getLogger("llmpipe.collect")
 # The job's one INFO line belongs to the postprocess stage's log (issue 15: counts, never content).
 job_log = logging.getLogger("llmpipe.postprocess")
 _SHORT = {Stage.PREPROCESS: "pre", Stage.INFERENCE: "inf", Stage.POSTPROCESS: "post"}
-_REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
+_REDIS_ERRORS = UNAVAILABLE_ERRORS
 
 
 def collect_job(job_id: str, results: list[dict]) -> JobResult:
@@ -61,10 +61,11 @@ class JobCollector:
         self._forget = forget
         self.settle_for_s = settle_for_s
         self._sleep = sleep
+        self.recorded = False  # whether the last collect wrote the job record (False: it had ended)
 
     def collect(self, job_id: str, results: list[dict]) -> JobResult:
         job = collect_job(job_id, results)
-        self._settle(job)
+        self.recorded = self._settle(job)
         for what, step in (("admission release", lambda: self._release(job_id)),
                            ("memo clean-up", lambda: self._forget([f"{job_id}-{r.index}" for r in job.results]))):
             try:
@@ -74,7 +75,7 @@ class JobCollector:
                             job_id, what, type(exc).__name__, exc)
         return job
 
-    def _settle(self, job: JobResult) -> None:
+    def _settle(self, job: JobResult) -> bool:
         kwargs = {"sleep": self._sleep} if self._sleep is not None else {}
         retrying = Retrying(stop=stop_after_delay(self.settle_for_s), wait=wait_exponential(multiplier=0.1, max=2.0),
                             retry=retry_if_exception_type(_REDIS_ERRORS), reraise=True, **kwargs)
@@ -83,10 +84,11 @@ class JobCollector:
         except _REDIS_ERRORS as exc:
             log.error("job=%s stage=collect could not write the job record (%s); the watchdog settles it "
                       "from the chord result at its deadline", job.job_id, exc)
-            return
+            return True  # the stored task result is what the watchdog adopts
         if not moved:
-            log.info("job=%s stage=collect the job had already ended (cancelled or expired); result not recorded",
-                     job.job_id)
+            log.info("job=%s stage=collect the job had already ended (cancelled, expired, or collected by an "
+                     "earlier delivery); result not recorded", job.job_id)
+        return bool(moved)
 
 
 def log_job(job: JobResult, e2e_s: float | None = None) -> None:

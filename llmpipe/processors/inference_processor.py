@@ -48,6 +48,9 @@ class InferenceProcessor:
     ``cancelled_jobs`` answers which of some job ids were cancelled, checked right before
     a batch reaches the engine; ``cancel(job_id)`` aborts a job's requests in the engine;
     ``published(job_id)`` reads the ids already published for a job's requests.
+    ``batch_lane(req)`` tells a batch-lane request; on a continuous engine at most
+    ``batch_lane_slots`` of them run at once (the batcher holds the rest), for
+    ``batch_lane_hold_s`` after the last interactive request (None: always).
 
     Request migration: tokens that were emitted are never taken back, because a streaming
     client may already show them. A request that runs again (its batch failed after it
@@ -72,6 +75,9 @@ class InferenceProcessor:
         retry_attempts: int = 3,
         on_engine_dead: Callable[[BaseException], None] | None = None,
         published: Callable[[str], dict[int, list[int]]] | None = None,
+        batch_lane: Callable[[TokenizedRequest], bool] | None = None,
+        batch_lane_slots: int | None = None,
+        batch_lane_hold_s: float | None = None,
         clock: WallClock = time.time,
     ):
         self.engine = engine
@@ -98,6 +104,12 @@ class InferenceProcessor:
             concurrent_batches=max_size if engine.continuous else 1,
             company_expected=company_expected,
             on_batch=on_batch,
+            order=lambda r: r.priority,  # vLLM's priority: lower first (the interactive lane)
+            # A continuous engine runs at most batch_lane_slots batch-lane requests, so an
+            # interactive one finds a running slot free (vLLM never preempts for it) and shares
+            # its steps with at most that many batch requests' prefills.
+            **({"capped": batch_lane, "cap": batch_lane_slots, "cap_hold_s": batch_lane_hold_s}
+               if engine.continuous and batch_lane is not None and batch_lane_slots is not None else {}),
         )
 
     def process(self, req: TokenizedRequest, resume: bool = False) -> Generation:
@@ -155,7 +167,8 @@ class InferenceProcessor:
             raise CancelledError("job cancelled while the engine ran it")
         return Generation(
             job_id=req.job_id, index=req.index, deadline=req.deadline, enqueued_at=req.enqueued_at,
-            prompt_tokens=len(req.prompt_token_ids), output_token_ids=out.token_ids,
+            prompt_tokens=len(req.prompt_token_ids), output_token_ids=out.token_ids, priority=req.priority,
+            model=req.model,
             finish_reason=out.finish_reason, batch_size=done.batch_size,
             engine_time_s=done.engine_time_s, first_token_at=out.first_token_at, stop=req.params.stop,
             stop_token=out.stop_token, prompt_tail=req.prompt_token_ids[-PROMPT_TAIL:],
@@ -176,7 +189,7 @@ class InferenceProcessor:
 
     def _run_batch(self, batch: list[TokenizedRequest]) -> list[_Done | Exception]:
         now = self._clock()
-        gone = self._cancelled_jobs([r.job_id for r in batch]) if self._cancelled_jobs else set()
+        gone = self._cancelled([r.job_id for r in batch])
         results: list[_Done | Exception | None] = [None] * len(batch)
         live: list[tuple[int, TokenizedRequest]] = []
         for i, r in enumerate(batch):
@@ -195,7 +208,7 @@ class InferenceProcessor:
             try:
                 outs = run_isolated(
                     self._run_engine,
-                    [EngineRequest(r.request_id, r.prompt_token_ids, r.params) for _, r in live],
+                    [EngineRequest(r.request_id, r.prompt_token_ids, r.params, r.priority) for _, r in live],
                     attempts=self._attempts,
                 )
             except EngineDeadError as exc:
@@ -216,6 +229,19 @@ class InferenceProcessor:
                 results[i] = out if isinstance(out, Exception) else _Done(out, len(live), dt)
         return results  # type: ignore[return-value]
 
+    def _cancelled(self, job_ids: list[str]) -> set[str]:
+        """Which jobs were cancelled; none when Redis cannot say. The batch must not fail for
+        it (its tasks would then fail on Redis too, after their body): a cancelled job still
+        has its running requests aborted by the broadcast, and its record stays cancelled."""
+        if self._cancelled_jobs is None:
+            return set()
+        try:
+            return self._cancelled_jobs(job_ids)
+        except Exception as exc:
+            log.warning("stage=inference could not read cancellations for %d jobs (%s: %s); running them",
+                        len(job_ids), type(exc).__name__, exc)
+            return set()
+
     def _run_engine(self, reqs: list[EngineRequest]) -> list[EngineOutput | EngineError]:
         """One engine attempt; each request resumes from the ids it emitted before."""
         bases = [self._emitted.get(r.request_id, []) for r in reqs]
@@ -233,7 +259,7 @@ class InferenceProcessor:
                     outs[i] = EngineOutput(r.request_id, list(base), finished, stop_token=stop_token)
                     continue
                 r = EngineRequest(r.request_id, [*r.prompt_token_ids, *base],
-                                  r.params.model_copy(update={"max_tokens": r.params.max_tokens - len(base)}))
+                                  r.params.model_copy(update={"max_tokens": r.params.max_tokens - len(base)}), r.priority)
             todo.append((i, r))
         if todo:
             base_of = {r.request_id: bases[i] for i, r in todo}
@@ -270,7 +296,8 @@ class InferenceProcessor:
             error.reason, FinishReason.ERROR)
         return Generation(
             job_id=req.job_id, index=req.index, deadline=req.deadline, enqueued_at=req.enqueued_at,
-            prompt_tokens=len(req.prompt_token_ids), finish_reason=finish, error=error,
+            prompt_tokens=len(req.prompt_token_ids), finish_reason=finish, error=error, priority=req.priority,
+            model=req.model,
         )
 
     def shutdown(self) -> None:

@@ -136,12 +136,12 @@ class InputProcessor:
             )
         return TokenizedRequest(
             job_id=req.job_id, index=req.index, deadline=req.deadline, enqueued_at=req.enqueued_at,
-            prompt_token_ids=ids, params=req.params, stream=req.stream,
+            prompt_token_ids=ids, params=req.params, stream=req.stream, priority=req.priority, model=req.model,
         )
 
     @staticmethod
     def _failed(req: PromptRequest, error: StageError) -> TokenizedRequest:
         return TokenizedRequest(
             job_id=req.job_id, index=req.index, deadline=req.deadline, enqueued_at=req.enqueued_at,
-            prompt_token_ids=[], params=req.params, error=error,
+            prompt_token_ids=[], params=req.params, error=error, priority=req.priority, model=req.model,
         )

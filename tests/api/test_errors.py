@@ -65,7 +65,7 @@ def test_engine_failure_is_424_and_final(client, redis_client, helpers):
 
 def test_a_cancelled_job_is_409_and_final(client, redis_client, helpers):
     job_id, t, out = _waiting_call(client, redis_client, helpers, {"prompt": "x", "max_tokens": 2})
-    assert client.delete(f"/v1/jobs/{job_id}").status_code == 200
+    assert client.post(f"/v1/jobs/{job_id}/cancel").status_code == 200
     t.join(10)
     assert out["r"].status_code == 409 and out["r"].headers[RETRY_HEADER] == "false"
 

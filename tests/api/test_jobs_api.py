@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -125,16 +126,16 @@ def test_long_poll_wakes_when_the_job_record_ends_and_leaves_no_subscription(cli
 
 
 def test_an_ended_job_never_changes(client, redis_client, helpers):
-    """The record is the one source of truth: a DELETE after the result changes nothing,
-    and a result after a DELETE is dropped."""
+    """The record is the one source of truth: a cancel after the result changes nothing,
+    and a result after a cancel is dropped."""
     done = client.post("/v1/jobs", json={"prompt": "x"}).json()["id"]
     helpers.finish_job(redis_client, done)
-    assert client.delete(f"/v1/jobs/{done}").json()["status"] == "succeeded"
+    assert client.post(f"/v1/jobs/{done}/cancel").json()["status"] == "succeeded"
     assert client.get(f"/v1/jobs/{done}").json()["result"]["results"][0]["text"] == "hi"
     assert not redis_client.exists(f"llmpipe:cancelled:{done}")  # nothing told the workers to stop
 
     gone = client.post("/v1/jobs", json={"prompt": "x"}).json()["id"]
-    assert client.delete(f"/v1/jobs/{gone}").json()["status"] == "cancelled"
+    assert client.post(f"/v1/jobs/{gone}/cancel").json()["status"] == "cancelled"
     from llmpipe.jobs import JobStore
     from llmpipe.messages import JobResult
 
@@ -150,7 +151,7 @@ def test_job_deadline_index_holds_only_unfinished_jobs(client, redis_client, hel
     a = client.post("/v1/jobs", json={"prompt": "x"}).json()["id"]
     b = client.post("/v1/jobs", json={"prompt": "x"}).json()["id"]
     helpers.finish_job(redis_client, a)
-    client.delete(f"/v1/jobs/{b}")
+    client.post(f"/v1/jobs/{b}/cancel")
     assert redis_client.zcard(DEADLINE_INDEX) == 0
     # an entry whose record is long gone (no watchdog ran) is trimmed by the next create
     redis_client.zadd(DEADLINE_INDEX, {"ancient": 1000.0})
@@ -181,10 +182,10 @@ def test_body_over_the_limit_is_413(redis_client, redis_url, tmp_path):
         assert r.status_code == 413 and r.json()["error"]["type"] == "limit_exceeded"
 
 
-def test_delete_unknown_is_404_and_cancel_marks_the_job(client, redis_client):
-    assert client.delete("/v1/jobs/nope").status_code == 404
+def test_cancel_unknown_is_404_and_cancel_marks_the_job(client, redis_client):
+    assert client.post("/v1/jobs/nope/cancel").status_code == 404
     job_id = client.post("/v1/jobs", json={"prompt": "x"}).json()["id"]
-    r = client.delete(f"/v1/jobs/{job_id}")
+    r = client.post(f"/v1/jobs/{job_id}/cancel")
     assert r.status_code == 200 and r.json()["status"] == "cancelled"
     assert redis_client.exists(f"llmpipe:cancelled:{job_id}")
     assert client.get(f"/v1/jobs/{job_id}").json()["status"] == "cancelled"
@@ -245,3 +246,25 @@ def test_a_job_that_cannot_be_enqueued_keeps_no_admission_reservation(client, re
     monkeypatch.setattr(client.app.state.jobs.store, "create", down)
     assert client.post("/v1/jobs", json={"prompt": "x"}).status_code == 503
     assert _reserved(redis_client) == (0, 0, 0, 0)
+
+
+def test_the_queued_message_shows_ids_and_sizes_not_the_prompt(client, redis_client):
+    """Task events (Flower) and worker logs show a message's ``argsrepr``: by default it holds
+    no prompt text (llmpipe/summaries.py)."""
+    r = client.post("/v1/jobs", json={"prompt": "the secret plan " * 40, "max_tokens": 5})
+    job_id = r.json()["id"]
+    [msg] = _queued_messages(redis_client)
+    shown = msg["headers"]["argsrepr"]
+    assert shown == f"(job_id={job_id} index=0 prompt_chars={len('the secret plan ' * 40)})"
+    assert "secret" not in shown
+    assert "secret" in json.loads(base64.b64decode(msg["body"]))[0][0]["prompt"]  # the message itself is whole
+
+
+def test_log_content_keeps_celerys_own_argsrepr(redis_client, redis_url, tmp_path):
+    from api.app import create_app
+
+    s = Settings(redis_url=redis_url, state_dir=tmp_path, log_content=True)
+    with TestClient(create_app(s)) as c:
+        assert c.post("/v1/jobs", json={"prompt": "the secret plan", "max_tokens": 5}).status_code == 202
+    [msg] = _queued_messages(redis_client)
+    assert "the secret plan" in msg["headers"]["argsrepr"]

@@ -46,7 +46,52 @@ def test_health_is_503_until_every_stage_has_a_ready_worker(client, redis_client
     beacons[1].stop()  # a worker that shuts down withdraws at once
     assert client.get("/health").status_code == 503
     beacons[0].stop()
-    assert client.get("/healthz").status_code == 200  # liveness stays as it was
+    # /healthz is the same check (issue 9): a stage with no live worker makes the API not ready.
+    assert client.get("/healthz").status_code == 503
+
+
+def test_healthz_is_503_naming_each_stage_without_a_live_worker(client, redis_client):
+    from llmpipe.readiness import STAGES, ReadinessBeacon
+
+    r = client.get("/healthz")
+    err = r.json()["error"]
+    assert r.status_code == 503 and err["type"] == "unavailable" and err["code"] == 503
+    assert err["stages"] == list(STAGES) and "no live worker for: preprocess, inference" in err["message"]
+    assert r.headers["retry-after"] == "5" and r.headers["x-should-retry"] == "true"
+    b1 = ReadinessBeacon(redis_client, ["preprocess", "postprocess", "collect"], "cpu-1").start()
+    b2 = ReadinessBeacon(redis_client, ["preprocess"], "cpu-2").start()
+    r = client.get("/healthz")
+    assert r.status_code == 503 and r.json()["error"]["stages"] == ["inference"]
+    assert "no live worker for: inference" in client.get("/health").json()["error"]["message"]  # one mechanism
+    gauge = _gauge(client.get("/metrics").text, "llmpipe_stage_live_workers")
+    assert gauge == {"preprocess": 2, "inference": 0, "postprocess": 1, "collect": 1}
+    b3 = ReadinessBeacon(redis_client, ["inference"], "gpu-1").start()
+    r = client.get("/healthz")
+    assert r.status_code == 200
+    assert r.json() == {"status": "ok", "live_workers": {"preprocess": 2, "inference": 1, "postprocess": 1, "collect": 1}}
+    b3.stop()  # the inference worker shuts down: not ready at once
+    assert client.get("/healthz").json()["error"]["stages"] == ["inference"]
+    assert _gauge(client.get("/metrics").text, "llmpipe_stage_live_workers")["inference"] == 0
+    b1.stop()
+    b2.stop()
+
+
+def test_a_dead_workers_readiness_lapses_within_the_ttl(redis_client):
+    """A worker killed with SIGKILL withdraws nothing: its keys lapse by their TTL (15 s),
+    which bounds how late /healthz sees the death."""
+    from llmpipe.readiness import ReadinessBeacon, key
+
+    b = ReadinessBeacon(redis_client, ["inference"], "n2")
+    assert (b.ttl_s, b.every_s) == (15, 5.0)
+    b.beat()
+    assert 10 < redis_client.ttl(key("inference", "n2")) <= 15
+
+
+def _gauge(text: str, name: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fam = next(f for f in text_string_to_metric_families(text) if f.name == name)
+    return {s.labels["stage"]: s.value for s in fam.samples}
 
 
 def test_readiness_keys_expire_when_a_worker_stops_beating(redis_client):

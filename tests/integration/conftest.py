@@ -3,6 +3,8 @@ engine on the tiny model, the API under uvicorn, and Flower."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from llmpipe.redis_server import free_port
@@ -33,12 +35,24 @@ def pipeline_starter():
     return start_pipeline
 
 
-@pytest.fixture(scope="module", params=["vllm", "transformers"])
+# (engine, broker): both engines on Redis, and vLLM on RabbitMQ too; the brokers as in
+# LLMPIPE_TEST_BROKERS (the root conftest's rule, read again: conftests cannot import it).
+_BROKERS = [b.strip() for b in os.environ.get("LLMPIPE_TEST_BROKERS", "redis,rabbitmq").split(",") if b.strip()]
+PIPELINES = [p for p in (("vllm", "redis"), ("transformers", "redis"), ("vllm", "rabbitmq")) if p[1] in _BROKERS]
+
+
+@pytest.fixture(scope="module", params=PIPELINES, ids=lambda p: p[0] if p[1] == "redis" else "-".join(p))
 def pipeline(request, tmp_path_factory, redis_server, tiny_model):
     import redis
 
+    engine, broker = request.param
+    broker_url = None
+    if broker == "rabbitmq":
+        broker_url = request.getfixturevalue("rabbitmq_url")
+        request.getfixturevalue("reset_queues")(broker_url)
     redis.Redis.from_url(redis_server.url).flushdb()
-    p = start_pipeline(tmp_path_factory.mktemp(f"pipe-{request.param}"), redis_server.url, tiny_model, request.param)
+    p = start_pipeline(tmp_path_factory.mktemp(f"pipe-{engine}-{broker}"), redis_server.url, tiny_model, engine,
+                       broker_url=broker_url)
     yield p
     p.stop(timeout=30)
 

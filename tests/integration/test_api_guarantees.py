@@ -9,10 +9,13 @@ import json
 import socket
 import threading
 import time
+from functools import partial
 
 import httpx
 import pytest
 import redis
+
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -27,14 +30,7 @@ def _metric(url: str, name: str) -> float:
                if ln.startswith(name) and not ln.startswith("#") and not ln.startswith(name + "_created"))
 
 
-def _wait(pred, timeout: float, what: str, every: float = 0.02):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(every)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+_wait = partial(wait_until, every=0.02)
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +54,15 @@ def test_openai_client_on_its_defaults_makes_one_job_per_failed_request(faulty_p
     assert r.zcard("llmpipe:deadletter") - dead == 1  # dead-lettered once, not three times
 
     admitted = _metric(url, "llmpipe_requests_admitted_total")
-    with pytest.raises(openai.APIStatusError) as err:
-        client.chat.completions.create(model=model, max_tokens=4, messages=[{"role": "user", "content": "hi"}],
-                                       extra_body={"timeout": 0.05})
+    # Hold the engine past the 50 ms deadline: on a quiet machine the tiny model answers
+    # four tokens inside it, and the request would succeed instead of expiring.
+    r.hset(DELAYS, "batch", 1.0)
+    try:
+        with pytest.raises(openai.APIStatusError) as err:
+            client.chat.completions.create(model=model, max_tokens=4, messages=[{"role": "user", "content": "hi"}],
+                                           extra_body={"timeout": 0.05})
+    finally:
+        r.hdel(DELAYS, "batch")
     assert err.value.status_code == 504 and err.value.body["type"] == "expired"
     assert _metric(url, "llmpipe_requests_admitted_total") - admitted == 1
 

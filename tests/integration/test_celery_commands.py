@@ -34,7 +34,7 @@ def plain(tmp_path_factory, redis_server, tiny_model, plain_celery):
         p.start("flower", "flower", f"--port={p.flower_port}", "--address=127.0.0.1",
                 env={"FLOWER_BASIC_AUTH": ":".join(FLOWER_AUTH)})
         p.wait_nodes("preprocess", "postprocess")
-        p.wait_http(f"{p.api_url}/healthz")
+        p.wait_http(f"{p.api_url}/version")  # up; /healthz waits for every stage (issue 9)
         p.wait_http(f"http://127.0.0.1:{p.flower_port}/api/workers", auth=FLOWER_AUTH)
 
         # A job waits in the inference queue; then an inference worker is started on the
@@ -121,7 +121,8 @@ def test_flower_with_basic_auth_from_its_variable(plain):
     assert httpx.get(f"{url}/api/workers", auth=("admin", "wrong"), timeout=10).status_code == 401
     workers = httpx.get(f"{url}/api/workers", params={"refresh": "1"}, auth=FLOWER_AUTH, timeout=30).json()
     assert {w.split("@")[0] for w in workers} == {"preprocess", "inference", "postprocess"}
-    assert plain.wait_job(plain.submit({"prompt": "Hello", "max_tokens": 4}))["status"] == "succeeded"
+    # Several prompts: a chord, so the collect task runs too (a one-prompt job has no collect hop).
+    assert plain.wait_job(plain.submit({"prompts": ["Hello", "Hi"], "max_tokens": 4}))["status"] == "succeeded"
     want = {"llmpipe.preprocess", "llmpipe.inference", "llmpipe.postprocess", "llmpipe.collect"}
     end = time.monotonic() + 30
     while True:

@@ -26,7 +26,7 @@ def dev(tmp_path_factory, redis_server, tiny_model, plain_celery):
                      LLMPIPE_MAX_BATCH_SIZE=str(MAX_BATCH))
     try:
         p.start_api()
-        p.wait_http(f"{p.api_url}/healthz")
+        p.wait_http(f"{p.api_url}/version")  # up; /healthz waits for every stage (issue 9)
         waiting = p.submit({"prompt": "Hello", "max_tokens": 4})
         assert r.llen("preprocess") == 1
         p.refused = p.run("worker", "-P", "prefork", "-l", "INFO")

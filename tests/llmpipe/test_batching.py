@@ -165,3 +165,96 @@ def test_submit_never_waits_on_the_company_probe():
     finally:
         release.set()
         b.stop()
+
+
+def test_capped_items_hold_at_most_cap_engine_slots_while_uncapped_ones_pass_them():
+    """The batch lane's share of a continuous engine: items >= 100 are capped at 2 in flight;
+    an uncapped (interactive) item goes to the engine at once, past the capped ones waiting."""
+    release = threading.Event()
+    cond = threading.Condition()
+    seen: list[list[int]] = []
+    in_flight = {"capped": 0, "max": 0}
+
+    def run(items):
+        capped = sum(1 for i in items if i >= 100)
+        with cond:
+            seen.append(list(items))
+            in_flight["capped"] += capped
+            in_flight["max"] = max(in_flight["max"], in_flight["capped"])
+            cond.notify_all()
+        release.wait(5)
+        with cond:
+            in_flight["capped"] -= capped
+        return list(items)
+
+    b = Batcher(run, window_s=0.0, max_size=8, concurrent_batches=8, company_expected=lambda: False,
+                order=lambda i: 0 if i < 100 else 10, capped=lambda i: i >= 100, cap=2)
+    try:
+        batch_futs = [b.submit(i) for i in range(100, 105)]
+        with cond:
+            assert cond.wait_for(lambda: len(seen) == 1, timeout=5)
+        inter = b.submit(1)
+        with cond:
+            assert cond.wait_for(lambda: len(seen) == 2, timeout=5)
+        assert seen == [[100, 101], [1]]
+        assert b.pending() == 3  # held back by the cap, not by the engine
+        release.set()
+        assert inter.result(5) == 1
+        assert [f.result(5) for f in batch_futs] == list(range(100, 105))
+        assert in_flight["max"] == 2
+        assert sorted(i for batch in seen for i in batch) == [1, *range(100, 105)]
+    finally:
+        release.set()
+        b.stop()
+
+
+def test_cap_needs_its_predicate():
+    with pytest.raises(ValueError):
+        Batcher(lambda items: items, window_s=0.0, max_size=4, cap=2)
+    with pytest.raises(ValueError):
+        Batcher(lambda items: items, window_s=0.0, max_size=4, capped=lambda i: True, cap=0)
+
+
+def test_the_cap_holds_only_while_uncapped_items_came_recently():
+    """Work-conserving slot share: with no interactive item in cap_hold_s, capped items use
+    every slot; an interactive one brings the cap back for cap_hold_s (fake clock)."""
+    clock = FakeClock()
+    release = threading.Event()
+    cond = threading.Condition()
+    seen: list[list[int]] = []
+    expect = {"company": False}
+
+    def run(items):
+        with cond:
+            seen.append(list(items))
+            cond.notify_all()
+        release.wait(5)
+        return list(items)
+
+    b = Batcher(run, window_s=0.2, max_size=8, concurrent_batches=8, company_expected=lambda: expect["company"],
+                order=lambda i: 0 if i < 100 else 10, capped=lambda i: i >= 100, cap=2, cap_hold_s=30.0,
+                clock=clock)
+    try:
+        futs = [b.submit(i) for i in range(100, 104)]  # batch-only: the cap does not hold
+        with cond:
+            assert cond.wait_for(lambda: len(seen) == 1, timeout=5)
+        assert seen[0] == [100, 101, 102, 103]
+        # The window keeps the next batch open until all three wait; the interactive item
+        # brings the cap back, and 4 capped items already run (cap 2): only it goes.
+        expect["company"] = True
+        futs += [b.submit(1), b.submit(104), b.submit(105)]
+        clock.advance(0.2)
+        with cond:
+            assert cond.wait_for(lambda: len(seen) == 2, timeout=5)
+        assert seen[1] == [1] and b.pending() == 2
+        # No interactive item for cap_hold_s: the cap lifts, the next wake-up takes them all.
+        clock.advance(30.0)
+        futs.append(b.submit(106))
+        with cond:
+            assert cond.wait_for(lambda: len(seen) == 3, timeout=5)
+        assert seen[2] == [104, 105, 106]
+        release.set()
+        assert [f.result(5) for f in futs] == [*range(100, 104), 1, 104, 105, 106]
+    finally:
+        release.set()
+        b.stop()

@@ -23,6 +23,7 @@ class FakeApi:
                                                                     {"index": 1, "text": "Rome."}]}}
         self.running_polls = 2
         self.post_status = 202
+        self.ended: list[tuple[str, str]] = []
         api = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -38,10 +39,21 @@ class FakeApi:
                 self.wfile.write(data)
 
             def do_POST(self):
+                if self.path.endswith("/cancel"):
+                    return self._ended("POST")
                 api.posts.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
                 if api.post_status != 202:
                     return self._send(api.post_status, {"error": {"type": "invalid_request", "message": "max_tokens too big"}})
                 self._send(202, {"id": "j1", "status": "queued", "status_url": "/v1/jobs/j1"})
+
+            def do_DELETE(self):
+                self._ended("DELETE")
+
+            def _ended(self, method: str):
+                api.ended.append((method, self.path))
+                if not self.path.startswith("/v1/jobs/j1"):
+                    return self._send(404, {"error": {"message": "no such job"}})
+                self._send(200, {"id": "j1", "status": "cancelled"})
 
             def do_GET(self):
                 url = urlparse(self.path)
@@ -123,3 +135,13 @@ def test_unreachable_api_is_one_line(monkeypatch):
     result = run("chat", "Hi")
     assert result.exit_code == 1
     assert "cannot reach the API" in result.output and "Traceback" not in result.output
+
+
+def test_cancel_keeps_the_job_and_delete_forgets_it(api):
+    result = run("cancel", "--url", api.url, "j1")
+    assert result.exit_code == 0 and result.stdout == "job j1: cancelled\n"
+    result = run("cancel", "--url", api.url, "--delete", "j1")
+    assert result.exit_code == 0 and result.stdout == "job j1: cancelled (deleted)\n"
+    assert api.ended == [("POST", "/v1/jobs/j1/cancel"), ("DELETE", "/v1/jobs/j1")]
+    result = run("cancel", "--url", api.url, "nope")
+    assert result.exit_code == 1 and "job nope: 404: no such job" in result.output

@@ -12,7 +12,8 @@ import httpx
 from llmpipe.redis_server import free_port
 from llmpipe.supervisor import python_env
 
-WRITER = "from llmpipe import metrics; metrics.BATCH_SIZE.observe(8); metrics.BATCH_SIZE.observe(4)"
+WRITER = ("from llmpipe import metrics; metrics.BATCH_SIZE.labels('tiny').observe(8); "
+          "metrics.BATCH_SIZE.labels('tiny').observe(4)")
 
 
 def test_serves_the_metrics_that_worker_processes_wrote(tmp_path):
@@ -31,8 +32,8 @@ def test_serves_the_metrics_that_worker_processes_wrote(tmp_path):
             except httpx.HTTPError:
                 assert proc.poll() is None and time.monotonic() < end, proc.stdout.read() if proc.poll() is not None else "timeout"
                 time.sleep(0.1)
-        assert "llmpipe_batch_size_requests_count 4.0" in body
-        assert "llmpipe_batch_size_requests_sum 24.0" in body
+        assert 'llmpipe_batch_size_requests_count{model="tiny"} 4.0' in body
+        assert 'llmpipe_batch_size_requests_sum{model="tiny"} 24.0' in body
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0

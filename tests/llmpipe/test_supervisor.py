@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from llmpipe.supervisor import Supervisor, alive, descendants, python_env
@@ -213,3 +214,153 @@ def test_respawn_restarts_an_exited_child_in_place(tmp_path):
     assert _wait_for(lambda: child.proc.poll() is not None)
     sup.stop(timeout=5)
     assert (tmp_path / "worker.log").read_text().count("run") == 2  # one log file across restarts
+
+
+# -- restarts (llmpipe up supervises; the policy itself: test_restarts.py) ------------------
+
+
+class FakeClock:
+    def __init__(self, t: float = 100.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _policy(clock, **kw):
+    from llmpipe.restarts import RestartPolicy
+
+    return RestartPolicy(**{"max_crashes": 5, "window_s": 300, **kw}, clock=clock)
+
+
+# Dies by SIGKILL, leaving a grandchild in its process group (a pool process, an engine core).
+_DIES_LEAVING_A_GRANDCHILD = """
+import os, signal, subprocess, sys
+g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print("run", g.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_tend_restarts_a_crashed_child_after_the_policy_delay(tmp_path):
+    clock = FakeClock()
+    sup = Supervisor(tmp_path, echo=False, clock=clock)
+    child = sup.spawn("worker", _py(_DIES_LEAVING_A_GRANDCHILD), python_env({}), _policy(clock))
+    grandchild = int(_wait_line(child, "run").split()[1])
+    assert _wait_for(lambda: child.proc.poll() is not None)
+    first_pid = child.proc.pid
+    assert alive(grandchild)
+
+    clock.t += 42  # it ran 42 s
+    [crash] = sup.tend()
+    assert crash.child is child and crash.returncode == -signal.SIGKILL and crash.uptime_s == 42
+    assert (crash.decision.delay_s, crash.decision.crashes) == (1, 1)
+    # The dead child's process group went with it, before any restart.
+    assert _wait_for(lambda: not alive(grandchild), 5), "the dead child's group outlived it"
+    clock.t += 0.99
+    assert sup.tend() == [] and child.proc.pid == first_pid  # not yet: the backoff
+    clock.t += 0.01
+    assert sup.tend() == []
+    assert child.proc.pid != first_pid and child.restarts == 1 and child.restart_at is None
+    second_grandchild = int(_wait_line(child, "run").split()[1])
+    assert second_grandchild != grandchild and child.tail[0].startswith("run")  # this run's lines only
+
+    # It crashes again at once: the delay doubles.
+    assert _wait_for(lambda: child.proc.poll() is not None)
+    clock.t += 0.5
+    [again] = sup.tend()
+    assert (again.decision.delay_s, again.decision.crashes) == (2, 2)
+    assert sup.stop(timeout=5)
+    assert _wait_for(lambda: not alive(second_grandchild), 5)
+
+
+def test_tend_gives_up_and_leaves_the_child_down(tmp_path):
+    clock = FakeClock()
+    sup = Supervisor(tmp_path, echo=False, clock=clock)
+    child = sup.spawn("flaky", _py("import sys; sys.exit(2)"), python_env({}), _policy(clock, max_crashes=2))
+    assert _wait_for(lambda: child.proc.poll() is not None)
+    [first] = sup.tend()
+    assert first.returncode == 2 and not first.decision.give_up
+    clock.t += first.decision.delay_s
+    sup.tend()
+    assert child.restarts == 1
+    assert _wait_for(lambda: child.proc.poll() is not None)
+    [second] = sup.tend()
+    assert second.decision.give_up and child.given_up
+    clock.t += 3600
+    assert sup.tend() == [] and child.restarts == 1  # stays down, reported once
+    sup.stop(timeout=5)
+
+
+def test_no_restart_once_stop_began_and_unsupervised_children_are_left_alone(tmp_path):
+    clock = FakeClock()
+    sup = Supervisor(tmp_path, echo=False, clock=clock)
+    supervised = sup.spawn("supervised", term_child(), python_env({}), _policy(clock))
+    plain = sup.spawn("plain", _py("pass"), python_env({}))
+    _wait_line(supervised, "ready")
+    assert _wait_for(lambda: plain.proc.poll() is not None)
+    assert sup.tend() == []  # a child without a policy is its owner's business
+    assert sup.stop(timeout=10)
+    clock.t += 3600
+    assert sup.tend() == [] and supervised.restarts == 0 and supervised.proc.returncode == 0
+
+
+def test_crash_line_says_who_how_and_when_never_a_stale_phase(tmp_path):
+    from llmpipe.local import crash_line, exit_reason
+    from llmpipe.restarts import Decision
+    from llmpipe.supervisor import Child, Crash
+
+    class Done:
+        def __init__(self, code):
+            self.returncode = code
+            self.pid = 1
+
+    killed = Child("inference", [], {}, tmp_path / "inference.log", proc=Done(-signal.SIGKILL),
+                   tail=["[2026-11-30 11:41:40,011: INFO/MainProcess] loading engine vllm for model tiny"])
+    line = crash_line(Crash(killed, -signal.SIGKILL, 42.4, Decision(1.0, 1, 5, 300.0)))
+    assert line == "inference was killed by SIGKILL after 42 s; restarting in 1 s (crash 1 of 5 in 300 s)"
+    assert "loading engine" not in exit_reason(killed)
+    died = Child("inference", [], {}, tmp_path / "inference.log", proc=Done(70),
+                 tail=["llmpipe: engine died (EngineDeadError: gone); requeued 3 messages; exiting with 70", "bye"])
+    line = crash_line(Crash(died, 70, 3.21, Decision(4.0, 3, 5, 300.0)))
+    assert line == ("inference exited with code 70 after 3.2 s (engine died (EngineDeadError: gone); requeued 3 "
+                    "messages; exiting with 70); restarting in 4 s (crash 3 of 5 in 300 s)")
+    gave_up = crash_line(Crash(killed, -signal.SIGKILL, 1.0, Decision(None, 5, 5, 300.0)))
+    assert gave_up.startswith("inference was killed by SIGKILL after 1.0 s; 5 crashes within 300 s")
+    assert "giving up" in gave_up and str(tmp_path / "inference.log") in gave_up
+
+
+def test_local_pipeline_tend_prints_restarts_and_stops_on_a_start_failure(tmp_path):
+    from llmpipe.local import START_FAILURES, LocalPipeline, PipelineError
+    from llmpipe.settings import Settings
+
+    console, buf = _console()
+    clock = FakeClock()
+    lp = LocalPipeline(Settings(state_dir=tmp_path, restart_max_crashes=3), console=console, restarts=True,
+                       clock=clock)
+    crashing = lp.sup.spawn("api", _py("import sys; sys.exit(1)"), python_env({}), lp._policy())
+    assert _wait_for(lambda: crashing.proc.poll() is not None)
+    [crash] = lp.tend()
+    assert crash.decision.delay_s == 1
+    assert "llmpipe up: api exited with code 1 after 0.0 s; restarting in 1 s (crash 1 of 3 in 300 s)" in buf.getvalue()
+    # A worker that cannot start as configured (exit 3) before the stack ever served: the
+    # reason, and no restart loop.
+    bad = lp.sup.spawn("inference", _py("print('llmpipe: engine vllm could not start: bad dtype'); raise SystemExit(3)"),
+                       python_env({}), lp._policy())
+    assert _wait_for(lambda: bad.proc.poll() is not None)
+    with pytest.raises(PipelineError, match="inference exited with code 3: engine vllm could not start: bad dtype"):
+        lp.tend()
+    bad.ever_ready = True  # once it has served, the same exit is a crash like any other
+    assert [c.child.name for c in lp.tend()] == ["inference"]
+    assert 3 in START_FAILURES
+    lp.stop(timeout=5)
+
+
+def test_start_failure_codes_are_the_workers_own():
+    from llmpipe.local import START_FAILURES
+
+    code = ("from workers.pool_policy import EXIT_WRONG_POOL; import workers.signals as s; "
+            "print(s.EXIT_CANNOT_WARM, EXIT_WRONG_POOL)")
+    out = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=python_env({}), timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert set(map(int, out.stdout.split())) == set(START_FAILURES)

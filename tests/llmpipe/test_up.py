@@ -169,6 +169,9 @@ def test_up_serves_then_stops_clean(tmp_path, ups, tiny_model):
     as_json = _chat(up.url, "--json")
     assert as_json.returncode == 0 and json.loads(as_json.stdout)["status"] == "succeeded"
 
+    # A job of several prompts (a chord: its collect task runs; a one-prompt job has none).
+    assert _result(up.url, _job(up.url, {"prompts": ["a", "b"], "max_tokens": 2}))["status"] == "succeeded"
+
     # Flower, behind basic auth: the three worker kinds and the inference tasks.
     password = re.search(r"user admin, password (\S+)", up.out).group(1)
     assert _flower_json(up, "/api/workers", None).status_code == 401
@@ -245,8 +248,9 @@ def test_ctrl_c_loses_no_queued_job(tmp_path, ups, tiny_model):
     assert up.wait(120) == 0, up.err[-3000:]
     assert up.left_alive() == []
     assert queued, "no job was accepted during the warm stop"
-    # The running request finished during the warm stop (its chord callback ran).
-    assert f"llmpipe.collect[{long_id}] succeeded" in (state / "logs" / "postprocess.log").read_text()
+    # The running request finished during the warm stop (it was collected: a job of one prompt
+    # by its postprocess task, whose id is the job id).
+    assert f"llmpipe.postprocess[{long_id}] succeeded" in (state / "logs" / "postprocess.log").read_text()
     # The queued ones are in the AOF.
     assert _queued_in(state)["preprocess"] >= len(queued)
 
@@ -339,3 +343,71 @@ def test_engine_that_cannot_start(tmp_path, ups, tiny_model):
     assert len(line) == 1 and "inference exited with code 3: engine transformers could not start" in line[0], up.err
     assert "no-such-dtype" in line[0] and "Traceback" not in up.err
     assert up.left_alive() == []
+
+
+# -- supervision: a child killed with SIGKILL comes back, the stack stays up -------------
+
+
+def _one(up: Up, *words: str) -> int:
+    """The pid of the one live process whose command line holds every word."""
+    end = time.monotonic() + 60
+    while True:
+        pids = [p for p in descendants(up.proc.pid) if alive(p) and all(w in _cmdline(p) for w in words)]
+        if len(pids) == 1:
+            return pids[0]
+        assert time.monotonic() < end, f"{len(pids)} processes match {words}: {[_cmdline(p) for p in pids]}"
+        time.sleep(0.2)
+
+
+@pytest.mark.integration
+def test_up_restarts_what_is_killed(tmp_path, ups, tiny_model):
+    """`kill -9` of the inference worker (vLLM, its engine core in a process of its own as
+    vLLM runs by default) and then of the API: each comes back by itself after 1 s, said on
+    the console; no engine core is left behind; jobs succeed; Ctrl-C still stops it warm."""
+    up = ups(tmp_path / "state", "--model", tiny_model, "--engine", "vllm", "--redis-url", "embedded",
+             "--cpu-workers", "1", "--no-flower", VLLM_ENABLE_V1_MULTIPROCESSING="1", LLMPIPE_MAX_MODEL_LEN="512",
+             LLMPIPE_MAX_BATCH_SIZE="4")
+    up.wait_ready(timeout=300)
+    body = {"prompt": "once upon a time", "max_tokens": 8, "temperature": 0}
+    assert _result(up.url, _job(up.url, body))["status"] == "succeeded"
+
+    inference = _one(up, "celery", "-Q inference")
+    cores = [p for p in descendants(inference) if "EngineCore" in _cmdline(p)]
+    assert cores, [_cmdline(p) for p in descendants(inference)]
+    t_kill = time.monotonic()
+    os.kill(inference, signal.SIGKILL)
+    _wait_text(lambda: up.err, "llmpipe up: inference was killed by SIGKILL after", up)
+    line = next(ln for ln in up.err.splitlines() if "inference was killed by SIGKILL" in ln)
+    assert line.endswith("; restarting in 1 s (crash 1 of 5 in 300 s)"), line
+    end = time.monotonic() + 10
+    while any(alive(p) for p in cores):
+        assert time.monotonic() < end, f"the killed worker's engine core {cores} outlived it"
+        time.sleep(0.1)
+    # A job sent while the worker restarts waits for it in the queue, and succeeds.
+    job = _job(up.url, body)
+    new_inference = _one(up, "celery", "-Q inference")
+    assert new_inference != inference
+    assert _result(up.url, job, timeout=240)["status"] == "succeeded"
+    print(f"\ninference killed -> a job sent after it succeeded: {time.monotonic() - t_kill:.1f} s")
+
+    api = _one(up, "llmpipe.cli", " api ")
+    t_kill = time.monotonic()
+    os.kill(api, signal.SIGKILL)
+    _wait_text(lambda: up.err, "llmpipe up: api was killed by SIGKILL after", up)
+    end = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{up.url}/healthz", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < end and up.proc.poll() is None, up.err[-3000:]
+        time.sleep(0.1)
+    print(f"api killed -> /healthz 200 again: {time.monotonic() - t_kill:.1f} s")
+    assert _one(up, "llmpipe.cli", " api ") != api
+    assert _result(up.url, _job(up.url, body))["status"] == "succeeded"
+
+    assert up.interrupt() == 0, up.err[-3000:]
+    assert "warm shutdown" in up.err and up.err.rstrip().endswith("stopped")
+    assert up.left_alive() == []
+    assert "Traceback" not in up.err

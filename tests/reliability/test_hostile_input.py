@@ -94,14 +94,14 @@ def test_fuzz_the_api_from_its_openapi_spec_no_5xx(app, rel):
     """schemathesis against the app's own spec, valid and invalid requests. The OpenAI
     POST routes wait for a worker, which this test has none of: the live fuzz in
     test_worker_faults.py covers them. So do /tokenize (a preprocess worker answers it) and
-    the readiness probes /health and /ping, which answer 503 until every stage has a worker
-    (tests/api/test_vllm_routes.py)."""
+    the readiness probes /health, /ping and /healthz, which answer 503 until every stage has
+    a worker (tests/api/test_vllm_routes.py)."""
     import schemathesis
 
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     failures, codes = rel.fuzz(schema, examples=40,
                                include=lambda op: not (op.method == "post" and op.path.startswith("/v1/") and op.path != "/v1/jobs")
-                               and op.path not in ("/tokenize", "/health", "/ping"))
+                               and op.path not in ("/tokenize", "/health", "/ping", "/healthz"))
     print(json.dumps(codes, indent=1))
     assert not failures, failures[:5]
     assert sum(codes.values()) > 100

@@ -13,15 +13,16 @@ from collections import Counter
 import httpx
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.each_broker]
 
 JOB_TIMEOUT_S = 20.0
 
 
 @pytest.fixture(scope="module")
-def pipe(rel, tmp_path_factory, tiny_model):
+def pipe(rel, tmp_path_factory, tiny_model, broker_url):
+    # On RabbitMQ too: there Redis is still the result backend, job store and admission.
     p = rel.start_pipe(tmp_path_factory.mktemp("redis-restart"), model=tiny_model, redis_appendonly=True,
-                       faults={"ledger": True})
+                       faults={"ledger": True}, broker_url=broker_url)
     yield p
     rel.stop_pipe(p)
 
@@ -112,7 +113,8 @@ def test_redis_restart_under_load(pipe, rel):
         assert pipe.alive(kind), f"{kind} died: {pipe.log(kind)[-2000:]}"
     rel.record({
         "scenario": "Redis restart under load (AOF)", "sent": len(accepted), "completed": statuses["succeeded"],
-        "lost": 0, "duplicated": len(watch.duplicated(accepted)), "failed": statuses["failed"],
+        "lost": sum(1 for v in views.values() if v["status"] not in ("succeeded", "failed", "expired")),
+        "duplicated": len(watch.duplicated(accepted)), "failed": statuses["failed"],
         "expired": statuses["expired"], "accepted_before_stop": n_before,
         "redis_down_s": round(t_up - t_down, 2), "api_back_s": round(api_back_s, 2),
         "recovery_s": round(fresh_s, 2), "http_codes": dict(codes), "codes_while_down": dict(down_codes),

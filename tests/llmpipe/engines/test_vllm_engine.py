@@ -237,3 +237,11 @@ def test_failed_start_raises_engine_error_and_stops_its_thread(tmp_path):
         VllmEngine(str(tmp_path), dtype="float32", enforce_eager=True)  # a folder with no model in it
     leftover = [t for t in threading.enumerate() if t.ident not in before and t.name == "vllm-engine-loop"]
     assert not leftover
+
+
+def test_requests_carry_their_priority_into_a_priority_scheduler(vllm_engine):
+    # vLLM refuses a non-zero priority unless scheduling_policy is "priority" (llmpipe/lanes.py)
+    assert vllm_engine._args.scheduling_policy == "priority"
+    outs = vllm_engine.generate([EngineRequest("p-batch", PROMPTS[1], greedy(4), priority=10),
+                                 EngineRequest("p-inter", PROMPTS[1], greedy(4), priority=-3)])
+    assert [len(o.token_ids) for o in outs] == [4, 4] and outs[0].token_ids == outs[1].token_ids

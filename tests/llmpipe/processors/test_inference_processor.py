@@ -289,3 +289,103 @@ def test_a_grammar_request_runs_again_whole_unless_its_stream_began():
         else:
             assert retries == [[("j-0", [1, 2], 8)]] and gen.error is None and len(gen.output_token_ids) == 8
             assert "j-0" not in pub.seen
+
+
+class DownRedis:
+    """A Redis client whose every command fails as when the server is restarting."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __getattr__(self, name):
+        import redis
+
+        def fail(*_a, **_k):
+            self.calls += 1
+            raise redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+        return fail
+
+
+def test_a_redis_outage_during_a_batch_neither_fails_nor_wedges_it():
+    # Every Redis call of the inference path fails: the cancellation lookup before the
+    # engine, the token stream, the published ids of a resumed request. The batch still
+    # runs, every request gets its generation, and nothing is left waiting on a future.
+    from llmpipe import cancel
+    from llmpipe.streaming import TokenPublisher, read_published
+
+    r = DownRedis()
+    pub = TokenPublisher(r, flush_s=3600)  # flushes only when a request finishes
+    eng = FakeEngine()
+    p = InferenceProcessor(eng, window_s=0.0, max_size=4, company_expected=lambda: True, clock=Clock(),
+                           publisher=pub, cancelled_jobs=lambda ids: cancel.cancelled(r, ids),
+                           published=lambda job_id: read_published(r, job_id))
+    reqs = [_req(i, ids=(i + 1, 7, 8)) for i in range(4)]
+    out: dict[int, object] = {}
+
+    def run(req):
+        out[req.index] = p.process(req, resume=req.index == 0)
+
+    threads = [threading.Thread(target=run, args=(q,)) for q in reqs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a request still waits on its batch"
+    assert sorted(out) == [0, 1, 2, 3]
+    assert all(g.error is None and g.output_token_ids == [8, 7] for g in out.values()), out
+    assert sum(len(b) for b in eng.batches) == 4  # the engine ran each request once
+    assert r.calls >= 3  # the lookups were made, and failed
+    assert p.batcher.pending() == 0
+    p.shutdown()
+    pub.close()
+
+
+def test_a_continuous_engine_runs_at_most_the_batch_lane_slots_and_an_interactive_request_passes():
+    """vLLM never preempts a running request for a waiting one, so the batcher keeps batch-lane
+    requests to their slots and an interactive request reaches the engine at once."""
+    cond = threading.Condition()
+    released: set[str] = set()
+
+    class GatedEngine(FakeEngine):
+        continuous = True
+
+        def generate(self, batch, on_tokens=None):
+            with cond:
+                self.batches.append([r.request_id for r in batch])
+                cond.notify_all()
+                cond.wait_for(lambda: all(r.request_id in released for r in batch), timeout=10)
+            return [EngineOutput(r.request_id, [1], FinishReason.LENGTH) for r in batch]
+
+    eng = GatedEngine()
+    p = InferenceProcessor(eng, window_s=0.0, max_size=4, company_expected=lambda: False, clock=Clock(),
+                           batch_lane=lambda r: r.priority >= 10, batch_lane_slots=1)
+
+    def req(i, priority):
+        return _req(i).model_copy(update={"priority": priority})
+
+    ts = [threading.Thread(target=p.process, args=(req(i, 10),)) for i in (0, 1)]
+    try:
+        [t.start() for t in ts]
+        with cond:
+            assert cond.wait_for(lambda: len(eng.batches) == 1, timeout=5)
+        first = eng.batches[0]
+        assert first in (["j-0"], ["j-1"])  # one batch-lane request: its one slot
+        inter = threading.Thread(target=p.process, args=(req(2, 0),))
+        inter.start()
+        with cond:
+            assert cond.wait_for(lambda: len(eng.batches) == 2, timeout=5)
+            assert eng.batches[1] == ["j-2"]  # past the batch-lane request the cap holds back
+            released.update({"j-2", *first})
+            cond.notify_all()
+            assert cond.wait_for(lambda: len(eng.batches) == 3, timeout=5)
+            assert eng.batches[2] == [{"j-0": "j-1", "j-1": "j-0"}[first[0]]]
+            released.update({"j-0", "j-1"})
+            cond.notify_all()
+        inter.join(5)
+        [t.join(5) for t in ts]
+    finally:
+        with cond:
+            released.update({"j-0", "j-1", "j-2"})
+            cond.notify_all()
+        p.shutdown()

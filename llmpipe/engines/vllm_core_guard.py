@@ -1,0 +1,100 @@
+"""vLLM's engine-core process dies with the worker that started it.
+
+With V1 multiprocessing (vLLM's default) the model runs in a child process,
+``VLLM::EngineCore``. When the inference worker is killed with SIGKILL nothing tells that
+child: it lives on as an orphan (PPID 1) holding the model's memory (about 1.5 GB with the
+tiny model on CPU, the GPU's memory on a GPU), whether the worker ran under ``llmpipe up``
+or alone on another host. ``install`` swaps vLLM's engine-core entry point for one that
+first asks the kernel (``PR_SET_PDEATHSIG``) to SIGKILL the engine core when its parent
+goes, so no poll and no delay. SIGKILL rather than SIGTERM: nobody is left to serve, and
+vLLM's SIGTERM handler waits for the busy loop, which a wedged GPU may never leave.
+The executor workers below the engine core (``VLLM::Worker``, one per GPU rank) get the
+same guard.
+
+The kernel sends the signal when the *thread* that started the child ends: for the engine
+core, the engine's event-loop thread (llmpipe/engines/vllm_engine.py), which ends only
+after the engine has shut down and its engine core has exited; for the executor workers,
+the engine core's main thread, which builds its executor.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import signal
+from typing import Any
+
+_PR_SET_PDEATHSIG = 1
+# vLLM's entry points, in the process that installed the guard (and in its forks).
+_originals: dict[str, Any] = {}
+
+
+def _patch(cls: type, name: str, replacement) -> None:
+    current = cls.__dict__[name]
+    fn = current.__func__ if isinstance(current, staticmethod) else current
+    if fn is replacement:
+        return
+    _originals[name] = fn
+    # A module-level function: a spawned child unpickles it by name and so imports this
+    # module, where vLLM's class is unpatched and its own entry point is found again.
+    setattr(cls, name, staticmethod(replacement))
+
+
+def _original(cls: type, name: str, replacement):
+    fn = _originals.get(name)
+    if fn is None:  # started by spawn: this process imported vLLM afresh
+        fn = getattr(cls, name)
+        if fn is replacement:  # pragma: no cover - would recurse
+            raise RuntimeError(f"vLLM's {cls.__name__}.{name} was lost")
+    return fn
+
+
+def install() -> None:
+    """Route vLLM's engine-core start (and its executor workers' start) through the guard;
+    idempotent."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    _patch(EngineCoreProc, "run_engine_core", run_engine_core)
+    _install_for_workers()
+
+
+def _install_for_workers() -> None:
+    try:
+        from vllm.v1.executor.multiproc_executor import WorkerProc
+    except ImportError:  # pragma: no cover - another vLLM layout: the engine core is still guarded
+        return
+    _patch(WorkerProc, "worker_main", worker_main)
+
+
+def run_engine_core(*args: Any, **kwargs: Any) -> Any:
+    """In the engine-core process: die with the parent, then run vLLM's engine core."""
+    from vllm.v1.engine.core import EngineCoreProc
+
+    die_with_parent_process()
+    _install_for_workers()  # the engine core's own children, in this (maybe spawned) process
+    return _original(EngineCoreProc, "run_engine_core", run_engine_core)(*args, **kwargs)
+
+
+def worker_main(*args: Any, **kwargs: Any) -> Any:
+    """In an executor worker (``VLLM::Worker``, below the engine core): the same. vLLM's own
+    death pipe stops it too, but only about 10 s later (measured on CPU), holding the
+    model's memory meanwhile."""
+    from vllm.v1.executor.multiproc_executor import WorkerProc
+
+    die_with_parent_process()
+    return _original(WorkerProc, "worker_main", worker_main)(*args, **kwargs)
+
+
+def die_with_parent_process(sig: int = signal.SIGKILL) -> None:
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: nothing to ask the kernel
+        return
+    prctl(_PR_SET_PDEATHSIG, sig)
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before prctl took effect
+        os._exit(1)
+
+
+__all__ = ["die_with_parent_process", "install", "run_engine_core", "worker_main"]

@@ -1,0 +1,1 @@
+"""Helpers of the reliability tests, reached through conftest's ``rel`` fixture."""
