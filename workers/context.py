@@ -193,7 +193,7 @@ class WorkerContext:
                         batch_lane_slots=batch_lane_slots(s.lane_batch_share, engine_running_slots(engine, s)),
                         batch_lane_hold_s=s.lane_slot_hold_s,
                     )
-                    self._cancel_listener = cancel.CancelListener(self.redis, proc.cancel)
+                    self._cancel_listener = cancel.CancelListener(self.redis, proc.cancel, proc.running_jobs)
                     threading.Thread(target=_sample_engine, args=(proc, model.name), name="llmpipe-engine-stats", daemon=True).start()
                     self._inference = proc
         return self._inference

@@ -91,6 +91,7 @@ class InferenceProcessor:
         self._published = published
         self._lock = threading.Lock()
         self._running: dict[str, set[str]] = defaultdict(set)  # job id -> request ids in the engine
+        self._aborted: set[str] = set()  # request ids already aborted: the broadcast and the sweep both report a cancel
         # request id -> every id emitted for it so far, over all attempts (replaced, never mutated)
         self._emitted: dict[str, list[int]] = {}
         # A continuous engine takes new requests while a batch runs, so batches are not
@@ -118,12 +119,19 @@ class InferenceProcessor:
         return run_stage(Stage.INFERENCE, req, lambda r: self._generate(r, resume), self._failed, self._clock)
 
     def cancel(self, job_id: str) -> list[str]:
+        """Abort the job's requests running in the engine; each one once."""
         with self._lock:
-            ids = list(self._running.get(job_id, ()))
+            ids = [i for i in self._running.get(job_id, ()) if i not in self._aborted]
+            self._aborted.update(ids)
         if ids:
             log.info("job=%s stage=inference aborting %d running requests", job_id, len(ids))
             self.engine.abort(ids)
         return ids
+
+    def running_jobs(self) -> list[str]:
+        """Jobs with requests in the engine that no cancel has aborted yet."""
+        with self._lock:
+            return [j for j, ids in self._running.items() if not ids <= self._aborted]
 
     def _prefix(self, req: TokenizedRequest) -> list[int]:
         if self._published is None:
@@ -220,6 +228,7 @@ class InferenceProcessor:
                 with self._lock:
                     for _, r in live:
                         ids = self._running.get(r.job_id)
+                        self._aborted.discard(r.request_id)
                         if ids is not None:
                             ids.discard(r.request_id)
                             if not ids:
