@@ -109,8 +109,13 @@ def _kill(up, rel, broker, kind, *, pool_child=False):
 
                 rel.wait_until(forked, 60, every=0.05, what="a new pool child")
             else:
-                rel.wait_until(lambda: up.alive(kind) and up.pid(kind) != old and up.ready(kind), 300, every=0.1,
-                               what=f"{kind} restarted by llmpipe up")
+                def restarted():
+                    # One snapshot of the children: the supervisor swaps the dead one for a new
+                    # one between two reads.
+                    child = up.children().get(kind)
+                    return child is not None and child.pid != old and up.ready(kind)
+
+                rel.wait_until(restarted, 300, every=0.1, what=f"{kind} restarted by llmpipe up")
             restart_s = time.time() - t_kill
             if kind == "inference":
                 ENGINE_RESTART_S[broker] = restart_s
