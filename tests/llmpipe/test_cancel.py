@@ -34,7 +34,7 @@ def test_a_cancel_whose_broadcast_was_missed_still_reaches_the_running_job(redis
     # subscription was down. The periodic sweep finds it.
     seen = Seen()
     running = ["late"]
-    listener = CancelListener(redis_client, seen, lambda: list(running), sweep_every_s=0.2)
+    listener = CancelListener(redis_client, seen, lambda: list(running))  # the shipped 1 s sweep
     try:
         redis_client.set(cancel_key("late"), 1, ex=60)
         assert seen.event.wait(5), "the sweep did not report a flagged running job"
