@@ -199,7 +199,11 @@ class JobService:
 
     def view(self, job_id: str, partial: bool = True) -> JobView:
         """The job as its record says: one HGETALL (and the token stream while it runs)."""
-        rec = self.record(job_id)
+        return self.view_of(self.record(job_id), partial)
+
+    def view_of(self, rec: JobRecord, partial: bool = True) -> JobView:
+        """The view of a record read already (reads the token stream only while it runs)."""
+        job_id = rec.job_id
         view = JobView(id=job_id, status=rec.status, created_at=rec.created_at, deadline=rec.deadline,
                        prompts=rec.n_prompts, result=rec.result, error=_error_from_record(rec))
         if partial and rec.status == JobStatus.RUNNING and self.detok is not None:

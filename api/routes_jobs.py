@@ -15,6 +15,7 @@ from api.request_keys import HEADER, request_key
 from api.schemas import JobCreate, JobCreated, JobView
 from api.waiter import JobWaiter
 from llmpipe.errors import UnavailableError
+from llmpipe.jobs import JobRecord, parse_wake
 from llmpipe.redis_clients import UNAVAILABLE_ERRORS
 
 _REDIS_DOWN = UNAVAILABLE_ERRORS
@@ -30,22 +31,27 @@ async def wait_view(service: JobService, waiter: JobWaiter, job_id: str, wait: f
                     partial: bool = True, through_outage: bool = False) -> JobView:
     """The job's view once it has ended, or after ``wait`` seconds (with the text so far).
 
-    Each wake-up (the job's done channel, a reconnect of the waiter) reads the record
-    again. ``through_outage``: a Redis error while waiting is waited out until ``wait``
+    Each wake-up by a reconnect of the waiter reads the record again; one by the job's end
+    carries the ended state. ``through_outage``: a Redis error while waiting is waited out until ``wait``
     ends, instead of answered with 503 (the caller's job is already running)."""
     if wait <= 0:
         return await run_in_threadpool(service.view, job_id, partial)
     loop = asyncio.get_running_loop()
     end = loop.time() + wait
     view: JobView | None = None
+    rec: JobRecord | None = None
     async with waiter.watch(job_id) as woken:
         while True:
+            # Woken by the job's terminal move: the record read before, with the move's
+            # fields, is the record now (an ended record never changes), so no read.
+            ended = rec.ended(parse_wake(woken.payload)) if rec is not None else None
             try:
-                view = await run_in_threadpool(service.view, job_id, False)
+                rec = ended if ended is not None else await run_in_threadpool(service.record, job_id)
+                view = service.view_of(rec, False)
             except _REDIS_DOWN:
                 if not through_outage:
                     raise
-                view = None
+                view = rec = None
             if view is not None and view.status.terminal:
                 return view
             left = end - loop.time()

@@ -19,12 +19,15 @@ and to a terminal status only from a non-terminal one. The first terminal write 
 never changes: a cancel or a watchdog expiry that lands after ``collect`` changes nothing,
 and a result that arrives after a cancel is dropped. A terminal move also drops the job
 from the watchdog's deadline index, optionally raises the cancel flag that workers check
-(and broadcasts it), and publishes on the job's done channel, which the API's waiters
-listen to. Readers (view, long-poll, SSE) read only this record.
+(and broadcasts it), and publishes the move on the job's done channel, which the API's
+waiters listen to. Readers (view, long-poll, SSE) read only this record; a long-poll that
+read it before waiting takes the ended state from the move it was woken by (the move is
+what the record then holds, and an ended record never changes).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -40,14 +43,37 @@ KEY_PREFIX = "llmpipe:job:"
 DEADLINE_INDEX = "llmpipe:job-deadlines"  # read by llmpipe.watchdog; holds unfinished jobs only
 
 
+DONE_PREFIX = "llmpipe:job-done:"
+DONE_PATTERN = DONE_PREFIX + "*"  # the API's waiter listens to every job's end on one subscription
+# A wake carries the job's result when it is at most this long (bytes of JSON); a longer one
+# is read from the record. Every API process receives every wake (api/waiter.py).
+WAKE_RESULT_MAX = 64 * 1024
+
+
 def done_channel(job_id: str) -> str:
-    """Published on every terminal move of the job."""
-    return f"llmpipe:job-done:{job_id}"
+    """Published on every terminal move of the job, with the move (:func:`parse_wake`)."""
+    return DONE_PREFIX + job_id
+
+
+def parse_wake(payload: bytes | str | None) -> dict | None:
+    """The terminal move a done-channel message carries: ``status``, ``updated_at``, and
+    ``error`` / ``result`` (JSON text) when the move wrote them; ``complete`` when the
+    message holds every field the move wrote (the result was short enough). None for
+    anything else (a message of an older version: plain status)."""
+    if not payload:
+        return None
+    try:
+        wake = json.loads(payload)
+    except ValueError:
+        return None
+    return wake if isinstance(wake, dict) and "status" in wake else None
 
 
 # KEYS: job hash, done channel, deadline index, cancel flag, cancel channel, token stream
 # ARGV: status, now, error JSON or '', result JSON or '', cancel flag TTL (0: none), job id, mode,
-#       token stream TTL
+#       token stream TTL, '1' when the wake may carry the result
+# The done channel's message is the move itself (JSON): a waiter builds the ended view from
+# it and the record it read before waiting, instead of reading the record again.
 # A streaming job's terminal move also appends an end marker (field ``e``: the status) to its
 # token stream, which wakes the SSE reader blocked on it (api/sse.py).
 # mode 'abandon': one waiter left; the job is cancelled only when it was the last one.
@@ -79,7 +105,12 @@ if rec[2] == '1' then
   redis.call('XADD', KEYS[6], '*', 'e', ARGV[1])
   redis.call('EXPIRE', KEYS[6], ARGV[8])
 end
-redis.call('PUBLISH', KEYS[2], ARGV[1])
+local wake = {status=ARGV[1], updated_at=ARGV[2], complete=true}
+if ARGV[3] ~= '' then wake['error'] = ARGV[3] end
+if ARGV[4] ~= '' then
+  if ARGV[9] == '1' then wake['result'] = ARGV[4] else wake['complete'] = false end
+end
+redis.call('PUBLISH', KEYS[2], cjson.encode(wake))
 return 1
 """
 
@@ -128,6 +159,23 @@ class JobRecord:
             result_json=d.get("result") or None,
             updated_at=float(d["updated_at"]) if d.get("updated_at") else None,
         )
+
+    def ended(self, wake: dict | None) -> JobRecord | None:
+        """This record after the terminal move a done-channel message carries (the fields a
+        terminal move writes; the others never change after create), or None when the
+        message cannot stand for the record: not a terminal move, or one whose result was
+        too long to carry."""
+        if not wake or not wake.get("complete"):
+            return None
+        try:
+            status = JobStatus(wake["status"])
+        except ValueError:
+            return None
+        if not status.terminal:
+            return None
+        return dataclasses.replace(
+            self, status=status, updated_at=float(wake["updated_at"]),
+            error=json.loads(wake["error"]) if wake.get("error") else None, result_json=wake.get("result") or None)
 
 
 class JobStore:
@@ -180,7 +228,7 @@ class JobStore:
         keys = [self.key(job_id), done_channel(job_id), DEADLINE_INDEX, cancel_key(job_id), CANCEL_CHANNEL,
                 stream_key(job_id)]
         args = [status.value, now, json.dumps(error) if error else "", result, int(cancel_ttl_s), job_id, mode,
-                STREAM_TTL_S]
+                STREAM_TTL_S, "1" if len(result) <= WAKE_RESULT_MAX else "0"]
         return int(self._move(keys=keys, args=args))
 
     def start(self, job_id: str, now: float | None = None) -> JobStatus | None:

@@ -8,8 +8,11 @@ from types import SimpleNamespace
 import pytest
 
 
-def subscribed(r, channel: str) -> int:
-    return dict(r.pubsub_numsub(channel)).get(channel.encode(), 0)
+def waiting(waiter, r, job_id: str) -> int:
+    """Requests of the API that wait on the job, counted once the waiter listens: its
+    subscription to every job's end is confirmed, and Redis has it (api/waiter.py)."""
+    n = waiter.watchers(job_id)
+    return n if n and waiter.listening and r.pubsub_numpat() >= 1 else 0
 
 
 def wait_for(pred, timeout: float = 5.0):
@@ -36,4 +39,4 @@ def finish_job(redis_client, job_id: str, *, text: str = "hi", error: dict | Non
 
 @pytest.fixture
 def helpers():
-    return SimpleNamespace(subscribed=subscribed, wait_for=wait_for, finish_job=finish_job)
+    return SimpleNamespace(waiting=waiting, wait_for=wait_for, finish_job=finish_job)

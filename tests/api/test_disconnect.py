@@ -14,7 +14,6 @@ import pytest
 import uvicorn
 
 from llmpipe.cancel import CHANNEL
-from llmpipe.jobs import done_channel
 from llmpipe.redis_server import free_port
 from llmpipe.settings import Settings
 
@@ -32,7 +31,7 @@ def server(redis_client, redis_url, tmp_path, tiny_model):
     while not srv.started:
         assert time.monotonic() < end and t.is_alive(), "uvicorn did not start"
         time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", port
+    yield f"http://127.0.0.1:{port}", port, app.state.waiter
     srv.should_exit = True
     t.join(10)
 
@@ -67,7 +66,7 @@ def _only_job(r) -> str:
 
 
 def test_a_streaming_client_that_disconnects_cancels_its_job(server, redis_client, helpers):
-    url, _ = server
+    url, _, waiter = server
     watch = CancelWatch(redis_client)
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 50, "stream": True}
     try:
@@ -75,7 +74,7 @@ def test_a_streaming_client_that_disconnects_cancels_its_job(server, redis_clien
             lines = r.iter_lines()  # kept: a dropped line iterator closes the response
             first = next(ln for ln in lines if ln.startswith("data: "))
             job_id = json.loads(first[6:])["id"].removeprefix("chatcmpl-")
-            assert helpers.wait_for(lambda: helpers.subscribed(redis_client, done_channel(job_id)) == 1)
+            assert helpers.wait_for(lambda: helpers.waiting(waiter, redis_client, job_id) == 1)
             gone_at = time.time()
         assert helpers.wait_for(lambda: job_id in watch.at, 5)
     finally:
@@ -84,7 +83,7 @@ def test_a_streaming_client_that_disconnects_cancels_its_job(server, redis_clien
     rec = redis_client.hgetall(f"llmpipe:job:{job_id}")
     assert rec[b"status"] == b"cancelled" and rec[b"abandoned"] == b"1"
     assert redis_client.exists(f"llmpipe:cancelled:{job_id}")
-    assert helpers.wait_for(lambda: helpers.subscribed(redis_client, done_channel(job_id)) == 0)
+    assert helpers.wait_for(lambda: waiter.watchers(job_id) == 0)
 
 
 def _raw_post(port: int, path: str, body: dict, headers: dict | None = None) -> socket.socket:
@@ -97,13 +96,13 @@ def _raw_post(port: int, path: str, body: dict, headers: dict | None = None) -> 
 
 
 def test_a_non_streaming_client_that_disconnects_cancels_its_job(server, redis_client, helpers):
-    url, port = server
+    url, port, waiter = server
     watch = CancelWatch(redis_client)
     try:
         s = _raw_post(port, "/v1/completions", {"prompt": "hi", "max_tokens": 50})
         assert helpers.wait_for(lambda: list(redis_client.scan_iter("llmpipe:job:*")))
         job_id = _only_job(redis_client)
-        assert helpers.wait_for(lambda: helpers.subscribed(redis_client, done_channel(job_id)) == 1)
+        assert helpers.wait_for(lambda: helpers.waiting(waiter, redis_client, job_id) == 1)
         s.close()
         gone_at = time.time()
         assert helpers.wait_for(lambda: job_id in watch.at, 5)
@@ -116,7 +115,7 @@ def test_a_non_streaming_client_that_disconnects_cancels_its_job(server, redis_c
 def test_a_job_is_cancelled_only_when_its_last_waiting_client_leaves(server, redis_client, helpers):
     """Two attempts of one request (Idempotency-Key) wait on one job: the first one leaving
     does not cancel it for the second."""
-    url, port = server
+    url, port, waiter = server
     body = {"prompt": "hi", "max_tokens": 50}
     a = _raw_post(port, "/v1/completions", body, {"Idempotency-Key": "k"})
     assert helpers.wait_for(lambda: list(redis_client.scan_iter("llmpipe:job:*")))

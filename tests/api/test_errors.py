@@ -43,14 +43,12 @@ def client(redis_client, redis_url, tmp_path, tiny_model):
 
 def _waiting_call(client, redis_client, helpers, body):
     """Start a non-streaming call in a thread; return (job id, the thread's result holder)."""
-    from llmpipe.jobs import done_channel
-
     out = {}
     t = threading.Thread(target=lambda: out.setdefault("r", client.post("/v1/completions", json=body)))
     t.start()
     assert helpers.wait_for(lambda: redis_client.llen("preprocess") == 1)
     job_id = next(iter(redis_client.scan_iter("llmpipe:job:*"))).decode().removeprefix("llmpipe:job:")
-    assert helpers.wait_for(lambda: helpers.subscribed(redis_client, done_channel(job_id)) == 1)
+    assert helpers.wait_for(lambda: helpers.waiting(client.app.state.waiter, redis_client, job_id) == 1)
     return job_id, t, out
 
 
@@ -86,14 +84,12 @@ def test_client_errors_say_do_not_retry_and_overload_says_retry(client, redis_cl
 
 
 def test_a_stream_that_fails_sends_the_error_schema_with_param(client, redis_client, helpers):
-    from llmpipe.jobs import done_channel
-
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
     with client.stream("POST", "/v1/chat/completions", json=body) as r:
         lines = r.iter_lines()
         first = json.loads(next(ln for ln in lines if ln.startswith("data: "))[6:])
         job_id = first["id"].removeprefix("chatcmpl-")
-        assert helpers.wait_for(lambda: helpers.subscribed(redis_client, done_channel(job_id)) == 1)
+        assert helpers.wait_for(lambda: helpers.waiting(client.app.state.waiter, redis_client, job_id) == 1)
         helpers.finish_job(redis_client, job_id, error={"reason": "engine_error", "message": "poison"})
         events = [ln[6:] for ln in lines if ln.startswith("data: ")]
     assert events[-1] == "[DONE]"

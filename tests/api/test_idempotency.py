@@ -72,8 +72,6 @@ def test_a_rejected_request_does_not_keep_its_key(client, redis_client):
 def test_a_retry_waits_on_the_job_of_the_first_attempt(client, redis_client, helpers):
     """Two attempts of one non-streaming OpenAI request (the first one still waiting): one
     job, and both get its answer."""
-    from llmpipe.jobs import done_channel
-
     body = {"prompt": "hello", "max_tokens": 2}
     out = [None, None]
 
@@ -86,7 +84,7 @@ def test_a_retry_waits_on_the_job_of_the_first_attempt(client, redis_client, hel
     job_id = next(iter(redis_client.scan_iter("llmpipe:job:*"))).decode().removeprefix("llmpipe:job:")
     t1 = threading.Thread(target=call, args=(1,))
     t1.start()
-    assert helpers.wait_for(lambda: helpers.subscribed(redis_client, done_channel(job_id)) == 1 and
+    assert helpers.wait_for(lambda: helpers.waiting(client.app.state.waiter, redis_client, job_id) == 2 and
                      redis_client.hget(f"llmpipe:job:{job_id}", "waiters") == b"2")
     helpers.finish_job(redis_client, job_id, text=" world")
     t0.join(10)

@@ -100,12 +100,20 @@ def test_api_imports_neither_torch_nor_vllm(redis_url):
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
-def test_long_poll_wakes_when_the_job_record_ends_and_leaves_no_subscription(client, redis_client, helpers):
+def _calls(r, cmd: str) -> int:
+    return r.info("commandstats").get(f"cmdstat_{cmd}", {}).get("calls", 0)
+
+
+@pytest.mark.parametrize("text_len", [2, 70_000], ids=["result-in-the-wake", "result-too-long-for-the-wake"])
+def test_long_poll_wakes_when_the_job_record_ends_at_no_redis_cost(client, redis_client, helpers, text_len):
+    """Waiting subscribes nothing per job (the waiter's one pattern subscription hears every
+    job's end), and the wake carries the ended job, so the long-poll reads the record once,
+    before it waits; a result too long for the wake is read from the record."""
     import threading
     import time
 
-    from llmpipe.jobs import done_channel
-
+    waiter = client.app.state.waiter
+    client.get("/v1/jobs/warm-up", params={"wait": 0.01})  # the waiter connects (404)
     job_id = client.post("/v1/jobs", json={"prompt": "x"}).json()["id"]
     out = {}
 
@@ -113,16 +121,23 @@ def test_long_poll_wakes_when_the_job_record_ends_and_leaves_no_subscription(cli
         out["view"] = client.get(f"/v1/jobs/{job_id}", params={"wait": 10}).json()
         out["at"] = time.time()
 
+    subs, reads = _calls(redis_client, "subscribe") + _calls(redis_client, "unsubscribe"), _calls(redis_client, "hgetall")
     t = threading.Thread(target=poll)
     t.start()
-    # End the job only once the long-poll is subscribed, so the test checks the wake-up.
-    assert helpers.wait_for(lambda: helpers.subscribed(redis_client, done_channel(job_id)) == 1)
+    # End the job only once the long-poll waits, so the test checks the wake-up.
+    assert helpers.wait_for(lambda: helpers.waiting(waiter, redis_client, job_id) == 1)
+    assert redis_client.pubsub_channels("llmpipe:job-done:*") == []
     done_at = time.time()
-    helpers.finish_job(redis_client, job_id)
+    text = "hi" * (text_len // 2)
+    helpers.finish_job(redis_client, job_id, text=text)
     t.join(10)
-    assert out["view"]["status"] == "succeeded" and out["view"]["result"]["results"][0]["text"] == "hi"
+    assert out["view"]["status"] == "succeeded" and out["view"]["result"]["results"][0]["text"] == text
+    assert out["view"] == client.get(f"/v1/jobs/{job_id}").json()  # what the record says
     assert out["at"] - done_at < 1.0
-    assert helpers.wait_for(lambda: helpers.subscribed(redis_client, done_channel(job_id)) == 0)
+    assert helpers.wait_for(lambda: waiter.watchers(job_id) == 0)
+    assert _calls(redis_client, "subscribe") + _calls(redis_client, "unsubscribe") == subs
+    # (finish_job's move reads no hash whole; the GET just above is one more read)
+    assert _calls(redis_client, "hgetall") - reads == (2 if text_len < 65536 else 3)
 
 
 def test_an_ended_job_never_changes(client, redis_client, helpers):

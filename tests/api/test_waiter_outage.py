@@ -11,7 +11,6 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from llmpipe.jobs import done_channel
 from llmpipe.redis_server import EmbeddedRedis
 from llmpipe.settings import Settings
 
@@ -56,7 +55,7 @@ def test_long_poll_wakes_within_a_second_after_redis_comes_back(outage, helpers)
     out = {}
     t = threading.Thread(target=_long_poll, args=(client, job_id, out))
     t.start()
-    assert helpers.wait_for(lambda: helpers.subscribed(r, done_channel(job_id)) == 1, 10)
+    assert helpers.wait_for(lambda: helpers.waiting(waiter, r, job_id) == 1, 10)
     done_at = time.time()
     helpers.finish_job(r, job_id)
     t.join(35)
@@ -74,7 +73,7 @@ def test_a_job_that_ends_during_an_outage_wakes_its_long_poll_after_it(outage, h
     out = {}
     t = threading.Thread(target=_long_poll, args=(client, job_id, out))
     t.start()
-    assert helpers.wait_for(lambda: helpers.subscribed(r, done_channel(job_id)) == 1, 10)
+    assert helpers.wait_for(lambda: helpers.waiting(waiter, r, job_id) == 1, 10)
     # kill the waiter's connection only (the record write and its publish happen while no
     # subscriber listens)
     for c in r.client_list():
@@ -91,7 +90,7 @@ def test_a_job_that_ends_during_an_outage_wakes_its_long_poll_after_it(outage, h
     out = {}
     t = threading.Thread(target=_long_poll, args=(client, job_id, out))
     t.start()
-    assert helpers.wait_for(lambda: helpers.subscribed(r, done_channel(job_id)) == 1, 10)
+    assert helpers.wait_for(lambda: helpers.waiting(waiter, r, job_id) == 1, 10)
     done_at = time.time()
     helpers.finish_job(r, job_id)
     t.join(35)
@@ -109,13 +108,13 @@ def test_a_waiting_openai_call_sits_out_a_redis_blip(outage, helpers):
     t.start()
     assert helpers.wait_for(lambda: r.llen("preprocess") == 1, 10)
     job_id = next(iter(r.scan_iter("llmpipe:job:*"))).decode().removeprefix("llmpipe:job:")
-    assert helpers.wait_for(lambda: helpers.subscribed(r, done_channel(job_id)) == 1, 10)
+    assert helpers.wait_for(lambda: helpers.waiting(waiter, r, job_id) == 1, 10)
     r.save()  # the test server keeps no AOF: the restart loads this snapshot
     server.stop()
     assert helpers.wait_for(lambda: waiter.reconnects >= 1 and waiter._pubsub is None, 10)  # the waiter saw it
     server.start()
     (server.data_dir / "dump.rdb").unlink()
-    assert helpers.wait_for(lambda: helpers.subscribed(r, done_channel(job_id)) == 1, 10)
+    assert helpers.wait_for(lambda: helpers.waiting(waiter, r, job_id) == 1, 10)
     assert t.is_alive()  # still waiting, not answered
     helpers.finish_job(r, job_id, text=" ok")
     t.join(30)

@@ -158,3 +158,11 @@ def test_long_poll_returns_when_the_job_finishes(pipeline):
     view = httpx.get(f"{pipeline.api_url}/v1/jobs/{job_id}", params={"wait": 30}, timeout=40).json()
     assert view["status"] == "succeeded"
     assert time.monotonic() - t0 < 20
+
+
+def test_workers_start_without_waiting_on_mingle(pipeline):
+    """Each worker took messages without Celery's one-second mingle at start (workers/launch.py)."""
+    logs = {kind: (pipeline.sup.log_dir / f"{kind}.log").read_text() for kind in ("preprocess", "inference", "postprocess")}
+    for kind, text in logs.items():
+        assert " ready." in text, kind  # the worker started, and logged its start
+        assert "mingle:" not in text, f"{kind} ran mingle at start"
