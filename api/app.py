@@ -1,4 +1,4 @@
-"""The ASGI app: ``uvicorn api.app:create_app --factory``."""
+"""The ASGI app: ``uvicorn api.app:serve_app --factory`` (``llmpipe api`` runs it)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from api.security import BodyLimit, require_key
 from api.validation import Limits, bind, prepared_model_path
 from api.waiter import JobWaiter
 from llmpipe.admission import Admission
+from llmpipe.heap import freeze_heap
 from llmpipe.jobs import JobStore
 from llmpipe.queue_depth import depth_reader
 from llmpipe.redis_clients import celery_url, fail_fast_retry, from_settings, sentinel_transport_options
@@ -38,6 +39,15 @@ def _model_path(settings: Settings, source: str) -> str:
     from llmpipe.models.registry import resolve_model
 
     return resolve_model(source, settings.models_dir)
+
+
+def serve_app() -> FastAPI:
+    """The app of a server process: ``create_app`` with the settings of the environment,
+    then start-up's heap frozen (llmpipe/heap.py), since an API process keeps it to its end.
+    Tests build apps with ``create_app``, which freezes nothing in their process."""
+    app = create_app()
+    freeze_heap()
+    return app
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

@@ -129,7 +129,7 @@ def api(host, port, workers):
     import uvicorn
 
     s = load_settings()
-    uvicorn.run("api.app:create_app", factory=True, host=host, port=port or s.api_port, workers=workers,
+    uvicorn.run("api.app:serve_app", factory=True, host=host, port=port or s.api_port, workers=workers,
                 log_level="info", timeout_graceful_shutdown=10)
 
 

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from llmpipe.redis_server import free_port
+from tests.stacks import teardown
 
 
 def start_pipeline(tmp_path, redis_url, model, engine, *, flower=True, extra_env=None, **overrides):
@@ -24,7 +25,7 @@ def start_pipeline(tmp_path, redis_url, model, engine, *, flower=True, extra_env
     try:
         p.wait_ready(timeout=240)
     except Exception:
-        p.stop(timeout=10)
+        teardown(p, timeout=10)
         raise
     return p
 
@@ -54,7 +55,7 @@ def pipeline(request, tmp_path_factory, redis_server, tiny_model):
     p = start_pipeline(tmp_path_factory.mktemp(f"pipe-{engine}-{broker}"), redis_server.url, tiny_model, engine,
                        broker_url=broker_url)
     yield p
-    p.stop(timeout=30)
+    teardown(p)
 
 
 API_KEY = "test-key-1"
@@ -69,7 +70,7 @@ def secured_pipeline(tmp_path_factory, redis_server, tiny_model):
     p = start_pipeline(tmp_path_factory.mktemp("pipe-secured"), redis_server.url, tiny_model, "vllm",
                        api_keys=f"{API_KEY},other-key")
     yield p
-    p.stop(timeout=30)
+    teardown(p)
 
 
 class PlainCelery:
@@ -214,4 +215,4 @@ def faulty_pipeline(tmp_path_factory, redis_server, tiny_model):
     p = start_pipeline(tmp_path_factory.mktemp("pipe-faulty"), redis_server.url, tiny_model, "transformers",
                        flower=False, extra_env={"LLMPIPE_FAULT_INJECT": json.dumps(FAULTS)})
     yield p
-    p.stop(timeout=30)
+    teardown(p)

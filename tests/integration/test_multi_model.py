@@ -18,6 +18,7 @@ import signal
 import httpx
 import pytest
 
+from tests.stacks import teardown
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -60,7 +61,7 @@ def two_models(tmp_path_factory, redis_server, tiny_model, tiny_model_b, pipelin
     p = pipeline_starter(tmp_path_factory.mktemp("pipe-two-models"), redis_server.url, tiny_model, "vllm",
                          models=[f"a={tiny_model}", f"b={tiny_model_b}"], flower=False)
     yield p
-    p.stop(timeout=30)
+    teardown(p)
 
 
 def test_two_models_route_right_and_one_dead_worker_leaves_the_other_alone(two_models, redis_server):

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.stacks import teardown
+
 pytestmark = pytest.mark.integration
 
 HERE = Path(__file__).resolve().parent
@@ -54,10 +56,10 @@ def conformance_pipeline(pipeline_starter, tmp_path_factory, redis_server, tiny_
     try:
         _warm(p.api_url)
     except BaseException:
-        p.stop(timeout=30)  # else its workers outlive the module and take the next modules' tasks
+        teardown(p)  # else its workers outlive the module and take the next modules' tasks
         raise
     yield p
-    p.stop(timeout=30)
+    teardown(p)
 
 
 def _warm(url: str, within_s: float = 240.0) -> None:

@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from llmpipe.redis_server import free_port
+from tests.stacks import teardown
 
 BACKLOG = 48
 
@@ -31,10 +32,10 @@ def lanes_pipeline(tmp_path_factory, redis_server, tiny_model):
     try:
         p.wait_ready(timeout=240)
     except Exception:
-        p.stop(timeout=10)
+        teardown(p, timeout=10)
         raise
     yield p
-    p.stop(timeout=30)
+    teardown(p)
 
 
 def _end(view: dict) -> float:

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from llmpipe.redis_server import free_port
+from tests.stacks import teardown
 
 pytestmark = pytest.mark.integration
 
@@ -65,7 +66,7 @@ def servers(tmp_path_factory, redis_server, tiny_model, pipeline_starter):
         yield both_servers
     finally:
         if pipe is not None:
-            pipe.stop(timeout=30)
+            teardown(pipe)
         sup.stop(timeout=30)
 
 

@@ -15,6 +15,7 @@ import redis
 
 from llmpipe.redis_server import EmbeddedRedis, free_port
 from llmpipe.settings import Settings
+from tests.stacks import teardown
 
 
 class Pipe:
@@ -271,13 +272,12 @@ class Pipe:
         self.probe.close()
         if self.amqp is not None:
             self.amqp.release()
-        self.lp.stop(timeout=20)
+        teardown(self.lp, timeout=20)
 
 
 def start_pipe(tmp_path: Path, *, engine: str = "transformers", model: str, faults: dict | None = None,
                redis_appendonly: bool = False, ready_timeout: float = 180, **overrides) -> Pipe:
     from llmpipe.local import LocalPipeline
-    from llmpipe.settings import Settings
 
     server = EmbeddedRedis(tmp_path / "redis", appendonly=redis_appendonly).start()
     base = dict(
@@ -294,7 +294,7 @@ def start_pipe(tmp_path: Path, *, engine: str = "transformers", model: str, faul
     try:
         lp.wait_ready(timeout=ready_timeout)
     except Exception:
-        lp.stop(timeout=10)
+        teardown(lp, timeout=10)
         server.stop()
         raise
     return Pipe(lp, server)
