@@ -20,13 +20,38 @@ class TokenizerOwner:
         if self._tok is None:
             with self._lock:
                 if self._tok is None:
-                    from transformers import AutoTokenizer
-
-                    self._tok = AutoTokenizer.from_pretrained(self.model_path)
+                    self._tok = load_tokenizer(self.model_path)
         return self._tok
 
     def shutdown(self) -> None:
         self._tok = None
+
+
+# What AutoTokenizer builds for a tokenizer_config.json naming one of these classes (with a
+# tokenizer.json beside it): transformers' fast tokenizer itself, no model-specific subclass.
+FAST_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def load_tokenizer(model_path: str) -> Any:
+    """The tokenizer AutoTokenizer would load, built without importing torch when it can be.
+
+    AutoTokenizer imports transformers' configuration classes, and through them torch
+    (~4 s of a CPU worker's start here, ~10 s in all, and so of its restart after a crash),
+    though a CPU stage never runs a tensor. A model whose tokenizer_config.json names the
+    fast tokenizer (most chat models, both of ours) gets that class straight from its own
+    module, which needs no torch; any other class still goes through AutoTokenizer."""
+    cfg = Path(model_path) / "tokenizer_config.json"
+    try:
+        name = json.loads(cfg.read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        name = None
+    if name in FAST_TOKENIZER_CLASSES and (Path(model_path) / "tokenizer.json").is_file():
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+        return TokenizersBackend.from_pretrained(model_path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
 
 
 def model_vocab_size(model_path: str) -> int | None:

@@ -107,3 +107,15 @@ def test_prepared_folder_is_reused_and_progress_is_shown(smol_dir, capsys):
     assert f"already prepared: {smol_dir}\n" in err  # one line: a narrow console once wrapped the folder off
     # resolve_model names the same folder under models_dir.
     assert resolve_model("smollm2", smol_dir.parent) == str(smol_dir)
+
+
+@needs_wheel
+@pytest.mark.slow
+def test_the_cpu_stages_tokenizer_is_the_one_autotokenizer_builds(smol_dir):
+    # The CPU stages load the fast tokenizer without torch (llmpipe/processors/tokenizer.py).
+    from transformers import AutoTokenizer
+
+    from llmpipe.processors.tokenizer import load_tokenizer
+    from tests.llmpipe.processors.test_tokenizer import assert_same_tokenizer
+
+    assert_same_tokenizer(load_tokenizer(str(smol_dir)), AutoTokenizer.from_pretrained(str(smol_dir)))
