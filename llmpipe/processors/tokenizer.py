@@ -36,8 +36,8 @@ def load_tokenizer(model_path: str) -> Any:
     """The tokenizer AutoTokenizer would load, built without importing torch when it can be.
 
     AutoTokenizer imports transformers' configuration classes, and through them torch
-    (~4 s of a CPU worker's start here, ~10 s in all, and so of its restart after a crash),
-    though a CPU stage never runs a tensor. A model whose tokenizer_config.json names the
+    (~6 s of a CPU worker's 11 s start here, and so of its restart after a crash), though
+    a CPU stage never runs a tensor. A model whose tokenizer_config.json names the
     fast tokenizer (most chat models, both of ours) gets that class straight from its own
     module, which needs no torch; any other class still goes through AutoTokenizer."""
     cfg = Path(model_path) / "tokenizer_config.json"
