@@ -45,16 +45,19 @@ def test_chat_completion_n_choices(client, secured_pipeline):
 
 
 def test_streaming_matches_non_streaming(client, secured_pipeline):
-    # 96 tokens take the tiny model ~240 ms, about 11 publisher flushes of 20 ms: several
-    # deltas even when the API stalls for a while (24 tokens, ~60 ms, once came as one delta
-    # on a busy CI machine: the SSE reader merges what it finds in one read).
-    kw = dict(model=secured_pipeline.s.model, prompt="Once upon a time", max_tokens=96, temperature=0)
+    # The stream must come in several deltas. 384 tokens take the tiny model ~1 s, ~50
+    # publisher flushes of 20 ms: even a busy machine that stalls the API for a few hundred
+    # ms (the SSE reader then merges what it finds in one read) leaves several. 96 tokens
+    # (~240 ms) once came as one delta with another test module running beside this one,
+    # and 24 tokens once on a busy CI machine.
+    kw = dict(model=secured_pipeline.s.model, prompt="Once upon a time", max_tokens=384, temperature=0,
+              extra_body={"ignore_eos": True})
     plain = client.completions.create(**kw).choices[0].text
     chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == plain
-    assert any(c.choices and c.choices[0].finish_reason for c in chunks)
-    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    assert any(c.choices and c.choices[0].finish_reason == "length" for c in chunks)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 384
     assert len([c for c in chunks if c.choices and c.choices[0].text]) > 1  # more than one delta
 
 
