@@ -61,8 +61,10 @@ class JobService:
     # -- submit ---------------------------------------------------------------------
     def _preprocess_signature(self, m: PromptRequest, options: dict) -> Signature:
         body = m.model_dump(mode="json", exclude_defaults=True)
-        if not self.settings.log_content:  # ids and sizes in the message, not the prompt (llmpipe/summaries.py)
-            options = {**options, "argsrepr": args_repr((body,))}
+        # Ids and sizes in the message, not the prompt (llmpipe/summaries.py); None: Celery's
+        # own repr (log_content). Always given: where the tasks are registered too (a test
+        # process), the task class would otherwise fill in its own choice (llmpipe/requeue.py).
+        options = {**options, "argsrepr": None if self.settings.log_content else args_repr((body,))}
         return self.celery.signature("llmpipe.preprocess", args=(body,), options=options)
 
     def check_limits(self, texts: list[str], n_prompts: int, max_tokens: int | None) -> None:
