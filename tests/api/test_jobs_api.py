@@ -283,3 +283,18 @@ def test_log_content_keeps_celerys_own_argsrepr(redis_client, redis_url, tmp_pat
         assert c.post("/v1/jobs", json={"prompt": "the secret plan", "max_tokens": 5}).status_code == 202
     [msg] = _queued_messages(redis_client)
     assert "the secret plan" in msg["headers"]["argsrepr"]
+
+
+def test_log_content_holds_where_the_tasks_are_registered_too(redis_client, redis_url, tmp_path):
+    """Where the stage tasks are registered in the API's process too (a test process), a
+    message goes out through the task class, which fills in a summary by the process's
+    settings when the message names no ``argsrepr`` (llmpipe/requeue.py): the API's own
+    log_content must still decide."""
+    import tasks.preprocess  # noqa: F401  registers llmpipe.preprocess in this process's app
+    from api.app import create_app
+
+    s = Settings(redis_url=redis_url, state_dir=tmp_path, log_content=True)
+    with TestClient(create_app(s)) as c:
+        assert c.post("/v1/jobs", json={"prompt": "the secret plan", "max_tokens": 5}).status_code == 202
+    [msg] = _queued_messages(redis_client)
+    assert "the secret plan" in msg["headers"]["argsrepr"]
