@@ -208,6 +208,33 @@ def http_client(max_connections: int) -> httpx.AsyncClient:
     )
 
 
+class ClientPool:
+    """One-connection httpx clients, lent one per request in flight and kept for the next.
+
+    httpx's connection pool does work in proportion to the connections it holds on every
+    request and response: one pool shared by 64 closed-loop users cost the load generator
+    19-21 ms of CPU per request on 2 cores (6-7 ms with a client each), and at c=64 it was
+    the load generator, not the servers, that set the measured capacity."""
+
+    def __init__(self) -> None:
+        self._idle: list[httpx.AsyncClient] = []
+        self._all: list[httpx.AsyncClient] = []
+
+    def take(self) -> httpx.AsyncClient:
+        if self._idle:
+            return self._idle.pop()
+        http = http_client(1)
+        self._all.append(http)
+        return http
+
+    def give(self, http: httpx.AsyncClient) -> None:
+        self._idle.append(http)
+
+    async def aclose(self) -> None:
+        for http in self._all:
+            await http.aclose()
+
+
 async def run_load(
     client: Client,
     prompts: list[str],
@@ -234,12 +261,17 @@ async def run_load(
         return i < limit and (deadline is None or time.monotonic() < deadline)
 
     async def one(i: int) -> None:
-        s = await _one(client, http, i, prompts[i % len(prompts)], timeout_s)
+        http = clients.take()
+        try:
+            s = await _one(client, http, i, prompts[i % len(prompts)], timeout_s)
+        finally:
+            clients.give(http)
         samples.append(s)
         if on_done is not None:
             on_done(s)
 
-    async with http_client(max(16, 2 * (concurrency or 256))) as http:
+    clients = ClientPool()
+    try:
         if concurrency is not None:
             counter = itertools.count()
 
@@ -261,4 +293,6 @@ async def run_load(
                 t_next += gaps[i % len(gaps)] * scale
                 await asyncio.sleep(max(0.0, t_next - time.monotonic()))
             await asyncio.gather(*tasks)
+    finally:
+        await clients.aclose()
     return sorted(samples, key=lambda s: s.i)
