@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from llmpipe.bench.loadgen import TERMINAL, JobsClient, Sample, _one, apply_view, http_client
+from llmpipe.bench.loadgen import TERMINAL, ClientPool, JobsClient, Sample, _one, apply_view
 from llmpipe.bench.stats import percentile
 
 TARGET_RATIO = 0.15
@@ -80,16 +80,19 @@ async def drive(base_url: str, prompts: list[str], o: PriorityOptions, on_progre
     batch = LaneClient(base_url, o.max_tokens, o.batch_priority, o.timeout_s)
     inter = LaneClient(base_url, o.max_tokens, o.batch_priority if o.control else 0, o.timeout_s)
     t0 = time.monotonic()
-    async with http_client(o.batch_jobs + o.max_interactive + 16) as http:
-        batch_tasks = [asyncio.create_task(_one(batch, http, i, prompts[i % len(prompts)], o.timeout_s))
-                       for i in range(o.batch_jobs)]
+    async def one(lane: LaneClient, i: int, prompt: str) -> Sample:
+        with clients.lent() as http:
+            return await _one(lane, http, i, prompt, o.timeout_s)
+
+    async with ClientPool() as clients:
+        batch_tasks = [asyncio.create_task(one(batch, i, prompts[i % len(prompts)])) for i in range(o.batch_jobs)]
         inter_tasks: list[asyncio.Task] = []
         gap = 1.0 / o.interactive_rate
         nxt = time.monotonic()
         while len(inter_tasks) < o.max_interactive and not all(t.done() for t in batch_tasks):
             await asyncio.sleep(max(0.0, nxt - time.monotonic()))
             i = len(inter_tasks)
-            inter_tasks.append(asyncio.create_task(_one(inter, http, i, prompts[(i + 7) % len(prompts)], o.timeout_s)))
+            inter_tasks.append(asyncio.create_task(one(inter, i, prompts[(i + 7) % len(prompts)])))
             nxt += gap
             if on_progress is not None:
                 on_progress(sum(t.done() for t in batch_tasks), len(inter_tasks))
