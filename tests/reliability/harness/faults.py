@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-MARKERS = ("POISONPILL", "FLAKYOOM", "DOOMEDOOM", "CRASHME", "ENGINEDIE")
-
-
 @pytest.fixture(scope="module")
 def pipe(rel, tmp_path_factory, tiny_model, broker_url):
     # The limits keep the fuzzed requests cheap for the tiny model on 2 cores: the OpenAPI
@@ -37,7 +34,3 @@ def body(i: int, text: str = "Tell me a story about", **kw) -> dict:
 
 def request_ids(job_ids, n_prompts: int = 1) -> list[str]:
     return [f"{j}-{i}" for j in job_ids for i in range(n_prompts)]
-
-
-def _errors(view):
-    return [r.get("error") for r in (view.get("result") or {}).get("results", [])]
