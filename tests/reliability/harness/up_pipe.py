@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import httpx
 import psutil
-import redis
 
 from llmpipe.redis_server import EmbeddedRedis, free_port
 from llmpipe.settings import Settings
