@@ -26,7 +26,7 @@ def test_up_serves_then_stops_clean(tmp_path, ups, tiny_model):
     up = ups(tmp_path / "state", "--model", tiny_model, "--engine", "transformers", "--redis-url", "embedded",
              "--cpu-workers", "1")
     up.wait_ready()
-    assert f"redis: embedded redis-server at redis://127.0.0.1:" in up.err
+    assert "redis: embedded redis-server at redis://127.0.0.1:" in up.err
     assert f"curl -s {up.url}/v1/jobs" in up.out and f"chat --url {up.url}" in up.out
     redis_url = re.search(r"Redis +(redis://\S+)", up.out).group(1)
     redis_pids = [p for p in up.collect() if "redis-server" in _cmdline(p)]
