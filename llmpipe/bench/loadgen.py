@@ -224,7 +224,7 @@ class ClientPool:
 
     httpx's connection pool does work in proportion to the connections it holds on every
     request and response: one pool shared by 64 closed-loop users cost the load generator
-    19-21 ms of CPU per request on 2 cores (6-7 ms with a client each), and at c=64 it was
+    19-21 ms of CPU per request on 2 cores (3-3.5 ms with a client each), and at c=64 it was
     the load generator, not the servers, that set the measured capacity."""
 
     def __init__(self) -> None:
