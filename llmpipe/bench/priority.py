@@ -80,6 +80,7 @@ async def drive(base_url: str, prompts: list[str], o: PriorityOptions, on_progre
     batch = LaneClient(base_url, o.max_tokens, o.batch_priority, o.timeout_s)
     inter = LaneClient(base_url, o.max_tokens, o.batch_priority if o.control else 0, o.timeout_s)
     t0 = time.monotonic()
+
     async def one(lane: LaneClient, i: int, prompt: str) -> Sample:
         with clients.lent() as http:
             return await _one(lane, http, i, prompt, o.timeout_s)
