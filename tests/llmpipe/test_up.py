@@ -18,7 +18,8 @@ import pytest
 from llmpipe.redis_server import redis_answers
 from llmpipe.supervisor import alive, descendants
 
-from tests.llmpipe.up_harness import QUESTION, _chat, _cmdline, _flower_json, _job, _one, _result, _wait_text
+from tests.llmpipe.up_harness import (QUESTION, cmdline, flower_json, job_result, one_process, run_chat, submit_job,
+                                     wait_text)
 
 
 @pytest.mark.integration
@@ -29,32 +30,32 @@ def test_up_serves_then_stops_clean(tmp_path, ups, tiny_model):
     assert "redis: embedded redis-server at redis://127.0.0.1:" in up.err
     assert f"curl -s {up.url}/v1/jobs" in up.out and f"chat --url {up.url}" in up.out
     redis_url = re.search(r"Redis +(redis://\S+)", up.out).group(1)
-    redis_pids = [p for p in up.collect() if "redis-server" in _cmdline(p)]
+    redis_pids = [p for p in up.collect() if "redis-server" in cmdline(p)]
     assert len(redis_pids) == 1
 
     # Through the API, with the long-poll...
-    view = _result(up.url, _job(up.url, {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 16,
+    view = job_result(up.url, submit_job(up.url, {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 16,
                                          "temperature": 0}))
     assert view["status"] == "succeeded", view
     assert len(view["result"]["results"]) == 1
     # ... and through `llmpipe chat`.
-    chat = _chat(up.url)
+    chat = run_chat(up.url)
     assert chat.returncode == 0, chat.stderr
     assert chat.stdout.strip() == view["result"]["results"][0]["text"].strip()  # greedy: the same answer
-    as_json = _chat(up.url, "--json")
+    as_json = run_chat(up.url, "--json")
     assert as_json.returncode == 0 and json.loads(as_json.stdout)["status"] == "succeeded"
 
     # A job of several prompts (a chord: its collect task runs; a one-prompt job has none).
-    assert _result(up.url, _job(up.url, {"prompts": ["a", "b"], "max_tokens": 2}))["status"] == "succeeded"
+    assert job_result(up.url, submit_job(up.url, {"prompts": ["a", "b"], "max_tokens": 2}))["status"] == "succeeded"
 
     # Flower, behind basic auth: the three worker kinds and the inference tasks.
     password = re.search(r"user admin, password (\S+)", up.out).group(1)
-    assert _flower_json(up, "/api/workers", None).status_code == 401
-    workers = _flower_json(up, "/api/workers?refresh=1", ("admin", password)).json()
+    assert flower_json(up, "/api/workers", None).status_code == 401
+    workers = flower_json(up, "/api/workers?refresh=1", ("admin", password)).json()
     assert {w.split("@")[0] for w in workers} == {f"{k}-{up.port}" for k in ("preprocess", "inference", "postprocess")}
     end = time.monotonic() + 30
     while True:
-        tasks = _flower_json(up, "/api/tasks", ("admin", password)).json().values()
+        tasks = flower_json(up, "/api/tasks", ("admin", password)).json().values()
         done = {t["name"] for t in tasks if t["state"] == "SUCCESS" and t.get("runtime") is not None}
         if {"llmpipe.preprocess", "llmpipe.inference", "llmpipe.postprocess", "llmpipe.collect"} <= done:
             break
@@ -85,14 +86,14 @@ def test_up_restarts_what_is_killed(tmp_path, ups, tiny_model):
              LLMPIPE_MAX_BATCH_SIZE="4")
     up.wait_ready(timeout=300)
     body = {"prompt": "once upon a time", "max_tokens": 8, "temperature": 0}
-    assert _result(up.url, _job(up.url, body))["status"] == "succeeded"
+    assert job_result(up.url, submit_job(up.url, body))["status"] == "succeeded"
 
-    inference = _one(up, "celery", "-Q inference")
-    cores = [p for p in descendants(inference) if "EngineCore" in _cmdline(p)]
-    assert cores, [_cmdline(p) for p in descendants(inference)]
+    inference = one_process(up, "celery", "-Q inference")
+    cores = [p for p in descendants(inference) if "EngineCore" in cmdline(p)]
+    assert cores, [cmdline(p) for p in descendants(inference)]
     t_kill = time.monotonic()
     os.kill(inference, signal.SIGKILL)
-    _wait_text(lambda: up.err, "llmpipe up: inference was killed by SIGKILL after", up)
+    wait_text(lambda: up.err, "llmpipe up: inference was killed by SIGKILL after", up)
     line = next(ln for ln in up.err.splitlines() if "inference was killed by SIGKILL" in ln)
     assert line.endswith("; restarting in 1 s (crash 1 of 5 in 300 s)"), line
     end = time.monotonic() + 10
@@ -100,16 +101,16 @@ def test_up_restarts_what_is_killed(tmp_path, ups, tiny_model):
         assert time.monotonic() < end, f"the killed worker's engine core {cores} outlived it"
         time.sleep(0.1)
     # A job sent while the worker restarts waits for it in the queue, and succeeds.
-    job = _job(up.url, body)
-    new_inference = _one(up, "celery", "-Q inference")
+    job = submit_job(up.url, body)
+    new_inference = one_process(up, "celery", "-Q inference")
     assert new_inference != inference
-    assert _result(up.url, job, timeout=240)["status"] == "succeeded"
+    assert job_result(up.url, job, timeout=240)["status"] == "succeeded"
     print(f"\ninference killed -> a job sent after it succeeded: {time.monotonic() - t_kill:.1f} s")
 
-    api = _one(up, "llmpipe.cli", " api ")
+    api = one_process(up, "llmpipe.cli", " api ")
     t_kill = time.monotonic()
     os.kill(api, signal.SIGKILL)
-    _wait_text(lambda: up.err, "llmpipe up: api was killed by SIGKILL after", up)
+    wait_text(lambda: up.err, "llmpipe up: api was killed by SIGKILL after", up)
     end = time.monotonic() + 60
     while True:
         try:
@@ -120,8 +121,8 @@ def test_up_restarts_what_is_killed(tmp_path, ups, tiny_model):
         assert time.monotonic() < end and up.proc.poll() is None, up.err[-3000:]
         time.sleep(0.1)
     print(f"api killed -> /healthz 200 again: {time.monotonic() - t_kill:.1f} s")
-    assert _one(up, "llmpipe.cli", " api ") != api
-    assert _result(up.url, _job(up.url, body))["status"] == "succeeded"
+    assert one_process(up, "llmpipe.cli", " api ") != api
+    assert job_result(up.url, submit_job(up.url, body))["status"] == "succeeded"
 
     assert up.interrupt() == 0, up.err[-3000:]
     assert "warm shutdown" in up.err and up.err.rstrip().endswith("stopped")

@@ -13,7 +13,7 @@ import pytest
 
 from llmpipe.supervisor import alive
 
-from tests.llmpipe.up_harness import _cmdline, _job, _queued_in, _result, _wait_text
+from tests.llmpipe.up_harness import cmdline, job_result, queued_in, submit_job, wait_text
 
 
 @pytest.mark.integration
@@ -25,12 +25,12 @@ def test_ctrl_c_loses_no_queued_job(tmp_path, ups, tiny_model):
     up.wait_ready()
     # A long request is running when Ctrl-C comes; jobs sent during the warm stop (the API
     # stops last) wait in Redis.
-    long_id = _job(up.url, {"prompt": "once upon a time", "max_tokens": 300, "ignore_eos": True,
+    long_id = submit_job(up.url, {"prompt": "once upon a time", "max_tokens": 300, "ignore_eos": True,
                             "temperature": 0, "timeout": 600})
     end = time.monotonic() + 15
     while httpx.get(f"{up.url}/v1/jobs/{long_id}").json()["status"] == "queued" and time.monotonic() < end:
         time.sleep(0.1)
-    preprocess = [p for p in up.collect() if "celery" in _cmdline(p) and "preprocess" in _cmdline(p)]
+    preprocess = [p for p in up.collect() if "celery" in cmdline(p) and "preprocess" in cmdline(p)]
     assert preprocess, up.err[-3000:]
     up.proc.send_signal(signal.SIGINT)
     # The preprocess worker (stopped first) has exited: jobs sent now can only wait in Redis.
@@ -41,7 +41,7 @@ def test_ctrl_c_loses_no_queued_job(tmp_path, ups, tiny_model):
     queued = []
     for i in range(5):
         try:
-            queued.append(_job(up.url, {"prompt": f"queued {i}", "max_tokens": 4, "timeout": 600}))
+            queued.append(submit_job(up.url, {"prompt": f"queued {i}", "max_tokens": 4, "timeout": 600}))
         except (httpx.HTTPError, AssertionError):
             break
     assert up.wait(120) == 0, up.err[-3000:]
@@ -51,12 +51,12 @@ def test_ctrl_c_loses_no_queued_job(tmp_path, ups, tiny_model):
     # by its postprocess task, whose id is the job id).
     assert f"llmpipe.postprocess[{long_id}] succeeded" in (state / "logs" / "postprocess.log").read_text()
     # The queued ones are in the AOF.
-    assert _queued_in(state)["preprocess"] >= len(queued)
+    assert queued_in(state)["preprocess"] >= len(queued)
 
     again = ups(state, *args)
     again.wait_ready()
     for job_id in [long_id, *queued]:
-        assert _result(again.url, job_id)["status"] == "succeeded", job_id
+        assert job_result(again.url, job_id)["status"] == "succeeded", job_id
     assert again.interrupt() == 0
     assert again.left_alive() == []
 
@@ -66,13 +66,13 @@ def test_second_ctrl_c_forces(tmp_path, ups, tiny_model):
     up = ups(tmp_path / "state", "--model", tiny_model, "--engine", "transformers", "--redis-url", "embedded",
              "--cpu-workers", "1", "--no-flower")
     up.wait_ready()
-    job_id = _job(up.url, {"prompt": "once upon a time", "max_tokens": 1500, "ignore_eos": True, "timeout": 600})
+    job_id = submit_job(up.url, {"prompt": "once upon a time", "max_tokens": 1500, "ignore_eos": True, "timeout": 600})
     end = time.monotonic() + 15
     while httpx.get(f"{up.url}/v1/jobs/{job_id}").json()["status"] == "queued" and time.monotonic() < end:
         time.sleep(0.1)
     up.collect()
     up.proc.send_signal(signal.SIGINT)
-    _wait_text(lambda: up.err, "warm shutdown", up)  # the first Ctrl-C has been taken
+    wait_text(lambda: up.err, "warm shutdown", up)  # the first Ctrl-C has been taken
     t0 = time.monotonic()
     up.proc.send_signal(signal.SIGINT)
     assert up.wait(30) == 130, up.err[-3000:]
@@ -86,7 +86,7 @@ def test_ctrl_c_while_starting(tmp_path, ups, tiny_model):
     up = ups(tmp_path / "state", "--model", tiny_model, "--engine", "transformers", "--redis-url", "embedded",
              "--cpu-workers", "1", "--no-flower")
     end = time.monotonic() + 60
-    while not any("celery" in _cmdline(p) for p in up.collect()):
+    while not any("celery" in cmdline(p) for p in up.collect()):
         assert time.monotonic() < end and up.proc.poll() is None, up.err
         time.sleep(0.1)
     assert up.interrupt(60) == 130, up.err[-3000:]

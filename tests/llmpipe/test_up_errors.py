@@ -11,7 +11,7 @@ import pytest
 
 from llmpipe.redis_server import free_port
 
-from tests.llmpipe.up_harness import _error_line, _run_up
+from tests.llmpipe.up_harness import error_line, run_up
 
 
 def test_port_in_use(tmp_path):
@@ -20,22 +20,22 @@ def test_port_in_use(tmp_path):
         s.listen()
         port = s.getsockname()[1]
         t0 = time.monotonic()
-        result = _run_up(tmp_path, "--port", str(port), "--redis-url", "embedded")
+        result = run_up(tmp_path, "--port", str(port), "--redis-url", "embedded")
     assert result.returncode != 0 and time.monotonic() - t0 < 30
-    assert f"port {port} for the API is already in use" in _error_line(result)
+    assert f"port {port} for the API is already in use" in error_line(result)
 
 
 def test_missing_model_path(tmp_path):
-    result = _run_up(tmp_path, "--port", str(free_port()), "--model", str(tmp_path / "no-such-model"),
+    result = run_up(tmp_path, "--port", str(free_port()), "--model", str(tmp_path / "no-such-model"),
                      "--redis-url", "embedded")
     assert result.returncode != 0
-    assert "does not exist" in _error_line(result)
+    assert "does not exist" in error_line(result)
 
 
 def test_explicit_redis_that_does_not_answer(tmp_path):
-    result = _run_up(tmp_path, "--port", str(free_port()), "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
+    result = run_up(tmp_path, "--port", str(free_port()), "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
     assert result.returncode != 0
-    assert "does not answer" in _error_line(result)
+    assert "does not answer" in error_line(result)
 
 
 @pytest.mark.integration

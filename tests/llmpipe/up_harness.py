@@ -22,7 +22,7 @@ CLI = [sys.executable, "-m", "llmpipe.cli"]
 QUESTION = "What is the capital of France?"
 
 
-def _env(state_dir: Path, **extra: str) -> dict[str, str]:
+def up_env(state_dir: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMPIPE_")}
     return {**env, "LLMPIPE_STATE_DIR": str(state_dir), "HF_HUB_OFFLINE": "1", **extra}
 
@@ -40,7 +40,7 @@ class Up:
         with self.out_path.open("w") as out, self.err_path.open("w") as err:
             self.proc = subprocess.Popen(
                 [*CLI, "up", "--port", str(self.port), "--flower-port", str(self.flower_port), *args],
-                cwd=ROOT, env=_env(state_dir, **env), stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+                cwd=ROOT, env=up_env(state_dir, **env), stdout=out, stderr=err, stdin=subprocess.DEVNULL)
         self.tree: set[int] = set()
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -85,7 +85,7 @@ class Up:
         end = time.monotonic() + grace
         while time.monotonic() < end and any(alive(p) for p in self.tree):
             time.sleep(0.1)
-        return [f"{p}: {_cmdline(p)}" for p in sorted(self.tree) if alive(p)]
+        return [f"{p}: {cmdline(p)}" for p in sorted(self.tree) if alive(p)]
 
     def kill(self) -> None:
         for pid in [self.proc.pid, *self.collect()]:
@@ -96,20 +96,20 @@ class Up:
         self.proc.wait(10)
 
 
-def _cmdline(pid: int) -> str:
+def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
     except OSError:
         return "?"
 
 
-def _job(url: str, body: dict) -> str:
+def submit_job(url: str, body: dict) -> str:
     r = httpx.post(f"{url}/v1/jobs", json=body, timeout=10)
     assert r.status_code == 202, r.text
     return r.json()["id"]
 
 
-def _result(url: str, job_id: str, timeout: float = 120) -> dict:
+def job_result(url: str, job_id: str, timeout: float = 120) -> dict:
     end = time.monotonic() + timeout
     while True:
         view = httpx.get(f"{url}/v1/jobs/{job_id}", params={"wait": 10}, timeout=30).json()
@@ -118,23 +118,23 @@ def _result(url: str, job_id: str, timeout: float = 120) -> dict:
         time.sleep(0.1)
 
 
-def _chat(url: str, *args: str) -> subprocess.CompletedProcess:
+def run_chat(url: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, "chat", "--url", url, "--max-tokens", "16", *args, QUESTION],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
-def _flower_json(up: Up, path: str, auth) -> httpx.Response:
+def flower_json(up: Up, path: str, auth) -> httpx.Response:
     return httpx.get(f"http://127.0.0.1:{up.flower_port}{path}", auth=auth, timeout=30)
 
 
-def _wait_text(read, text: str, up: Up, timeout: float = 30) -> None:
+def wait_text(read, text: str, up: Up, timeout: float = 30) -> None:
     end = time.monotonic() + timeout
     while text not in read():
         assert time.monotonic() < end and up.proc.poll() is None, f"no {text!r}:\n{up.err[-3000:]}"
         time.sleep(0.05)
 
 
-def _queued_in(state_dir: Path) -> dict[str, int]:
+def queued_in(state_dir: Path) -> dict[str, int]:
     """Messages waiting in each stage queue of the stopped pipeline's AOF."""
     with EmbeddedRedis(state_dir / "redis") as server:
         import redis
@@ -147,24 +147,24 @@ def _queued_in(state_dir: Path) -> dict[str, int]:
             r.close()
 
 
-def _run_up(tmp_path, *args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, "up", "--no-flower", *args], cwd=ROOT, env=_env(tmp_path / "state", **env),
+def run_up(tmp_path, *args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, "up", "--no-flower", *args], cwd=ROOT, env=up_env(tmp_path / "state", **env),
                           capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
-def _error_line(result: subprocess.CompletedProcess) -> str:
+def error_line(result: subprocess.CompletedProcess) -> str:
     lines = [ln for ln in result.stderr.splitlines() if ln.startswith("llmpipe up: ")]
     assert len(lines) == 1, result.stderr
     assert "Traceback" not in result.stderr
     return lines[0]
 
 
-def _one(up: Up, *words: str) -> int:
+def one_process(up: Up, *words: str) -> int:
     """The pid of the one live process whose command line holds every word."""
     end = time.monotonic() + 60
     while True:
-        pids = [p for p in descendants(up.proc.pid) if alive(p) and all(w in _cmdline(p) for w in words)]
+        pids = [p for p in descendants(up.proc.pid) if alive(p) and all(w in cmdline(p) for w in words)]
         if len(pids) == 1:
             return pids[0]
-        assert time.monotonic() < end, f"{len(pids)} processes match {words}: {[_cmdline(p) for p in pids]}"
+        assert time.monotonic() < end, f"{len(pids)} processes match {words}: {[cmdline(p) for p in pids]}"
         time.sleep(0.2)
