@@ -1,10 +1,13 @@
 """Which engine arguments a worker gets: the platform's defaults, the settings, then the
 vLLM engine arguments passed through (``--engine-arg`` / ``[engine_args]``).
 
-The defaults differ by platform because what is right for vLLM on the CPU is wrong on a
-GPU: float32 and eager mode keep the CPU backend on its tested path, but on CUDA they cost
-half the memory and the CUDA graphs. ``engine_config`` takes the platform as an argument
-so that the decision is tested without a GPU.
+The defaults are vLLM's own, as ``vllm serve MODEL`` picks them, on every platform:
+dtype ``auto`` (the checkpoint's own; on the CPU vLLM takes bfloat16 for a float32
+checkpoint where the CPU has it), compiled (CUDA graphs on a GPU, torch.compile on the
+CPU), and vLLM's own ``max_num_seqs``. On this project's 2-core machine, float32 and eager
+mode served a third of what ``vllm serve`` did (docs/benchmarks.md). Tests pin float32 and
+eager themselves, for exact token matches and fast starts. ``engine_config`` takes the
+platform as an argument so that the decision is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -31,28 +34,33 @@ def detect_platform() -> Platform:
     return Platform.CUDA if torch.cuda.is_available() else Platform.CPU
 
 
-# Settings left unset (None) take these. "max_batch_size" means: the setting's value.
+# Settings left unset (None) take these: vLLM's own defaults, those of `vllm serve`.
+# dtype auto: the checkpoint's own (bf16 for most; vLLM's CPU backend takes bf16 for a
+# float32 checkpoint); compiled (enforce_eager False: CUDA graphs, or torch.compile on the
+# CPU); max_num_seqs absent: vLLM's own default, so that continuous batching is not capped
+# by the size of one dispatch batch. gpu_memory_utilization: vLLM's 0.9; unused on the CPU.
 _VLLM_DEFAULTS: dict[Platform, dict[str, Any]] = {
-    # dtype auto: the checkpoint's own (bf16 for most), on tensor cores; CUDA graphs on;
-    # max_num_seqs absent: vLLM's own default, so that continuous batching is not capped by
-    # the size of one dispatch batch.
     Platform.CUDA: {"dtype": "auto", "enforce_eager": False, "gpu_memory_utilization": 0.9, "max_num_seqs": None,
                     "scheduling_policy": "priority"},
-    # vLLM-CPU's tested path: float32, eager, the running set as large as a dispatch batch.
-    Platform.CPU: {"dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.85,
-                   "max_num_seqs": "max_batch_size", "scheduling_policy": "priority"},
+    Platform.CPU: {"dtype": "auto", "enforce_eager": False, "gpu_memory_utilization": None, "max_num_seqs": None,
+                   "scheduling_policy": "priority"},
 }
 # The transformers engine: bf16 on a GPU (a float32 checkpoint would stay float32 with
-# "auto"), float32 on the CPU, where bf16 matmuls are slow or missing.
+# "auto"), float32 on the CPU, where HF generate in bf16 was no faster (docs/benchmarks.md).
 _HF_DTYPE = {Platform.CUDA: "bfloat16", Platform.CPU: "float32"}
 
 PIPELINE = "pipeline (fixed)"
 SETTING = "setting"
 ENGINE_ARG = "engine argument"
+LANES = "llmpipe's: priority lanes need it (vLLM's own fcfs refuses a priority)"
 
 
 def _platform_source(p: Platform) -> str:
     return f"default on {p.value}"
+
+
+def _vllm_source(p: Platform) -> str:
+    return f"vLLM's own default on {p.value}, as `vllm serve`"
 
 
 @dataclass
@@ -76,7 +84,8 @@ def _pick(cfg: EngineConfig, name: str, setting: Any, default: Any) -> None:
     if setting is not None:
         cfg.args[name], cfg.sources[name] = setting, SETTING
     elif default is not None:
-        cfg.args[name], cfg.sources[name] = default, _platform_source(cfg.platform)
+        source = _vllm_source if cfg.engine is EngineKind.VLLM else _platform_source
+        cfg.args[name], cfg.sources[name] = default, source(cfg.platform)
 
 
 def engine_config(s: Settings, platform: Platform | None = None, *, vllm_fields: dict[str, Any] | None = None) -> EngineConfig:
@@ -103,13 +112,13 @@ def engine_config(s: Settings, platform: Platform | None = None, *, vllm_fields:
             # the one GPU, and each takes its fraction of the whole GPU, so by default they
             # share the default's 0.9. Where each has a GPU of its own, set the setting.
             cfg.args["gpu_memory_utilization"] = round(d["gpu_memory_utilization"] / n, 3)
-            cfg.sources["gpu_memory_utilization"] = f"{_platform_source(cfg.platform)}, shared by {n} models"
-        seqs = s.max_batch_size if d["max_num_seqs"] == "max_batch_size" else d["max_num_seqs"]
-        _pick(cfg, "max_num_seqs", s.max_num_seqs, seqs)
+            cfg.sources["gpu_memory_utilization"] = f"{_vllm_source(cfg.platform)}, shared by {n} models"
+        _pick(cfg, "max_num_seqs", s.max_num_seqs, d["max_num_seqs"])
         if "max_num_seqs" not in cfg.args:
-            cfg.sources["max_num_seqs"] = f"vLLM's own default (on {cfg.platform.value})"
+            cfg.sources["max_num_seqs"] = _vllm_source(cfg.platform)
         # Priority lanes hold inside the engine: requests carry their priority (llmpipe/lanes.py).
-        _pick(cfg, "scheduling_policy", None, d["scheduling_policy"])
+        # vLLM's own is fcfs, which refuses a priority.
+        cfg.args["scheduling_policy"], cfg.sources["scheduling_policy"] = d["scheduling_policy"], LANES
         # The API refuses logprobs requests over this; vLLM must allow as many.
         cfg.args["max_logprobs"], cfg.sources["max_logprobs"] = s.max_logprobs, SETTING
         for k, v in convert_engine_args(s.engine_args, vllm_fields).items():

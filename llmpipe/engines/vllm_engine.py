@@ -86,7 +86,6 @@ class VllmEngine(Engine):
         self._model = model
         args: dict[str, Any] = {
             "dtype": "auto",
-            "enforce_eager": True,
             "seed": 0,
             # Priority lanes hold inside the engine too: vLLM schedules waiting (and, under KV
             # pressure, preempts running) requests by priority, lower first (llmpipe/lanes.py).
@@ -142,7 +141,11 @@ class VllmEngine(Engine):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         # Created on the loop so that AsyncLLM's output handler runs on it.
-        self._llm = AsyncLLM.from_engine_args(self._args, stat_loggers=[self._stats.factory])
+        from vllm.usage.usage_lib import UsageContext
+
+        # vllm serve's context: the defaults it picks (max_num_seqs, max_num_batched_tokens).
+        self._llm = AsyncLLM.from_engine_args(self._args, usage_context=UsageContext.OPENAI_API_SERVER,
+                                              stat_loggers=[self._stats.factory])
         mc = self._llm.model_config
         self._max_model_len = int(mc.max_model_len)
         self._vocab_size = int(mc.get_vocab_size())
