@@ -5,9 +5,9 @@ Values that vary per deployment come from the typed llmpipe Settings (LLMPIPE_* 
 
 from kombu import Exchange, Queue
 
-from llmpipe.redis_clients import celery_url, is_sentinel, sentinel_transport_options
-from llmpipe.redis_transport import transport_for
-from llmpipe.lanes import PRIORITY_STEPS
+from llmpipe.broker.redis_clients import celery_url, is_sentinel, sentinel_transport_options
+from llmpipe.broker.redis_transport import transport_for
+from llmpipe.jobs.lanes import PRIORITY_STEPS
 from llmpipe.settings import get_settings
 
 _s = get_settings()
@@ -18,12 +18,12 @@ _s = get_settings()
 broker_url = celery_url(_s.effective_broker_url)
 # kombu's Redis transport with worker leases (its Sentinel twin for sentinel://): a dead
 # worker's messages come back within lease_ttl_s + lease_sweep_interval_s, a live worker's
-# never (llmpipe/redis_transport.py). None (RabbitMQ): the URL's own transport.
+# never (llmpipe/broker/redis_transport.py). None (RabbitMQ): the URL's own transport.
 broker_transport = transport_for(_s.effective_broker_url)
 # Celery's Redis (or Sentinel) backend, with a bounded retry and a defined end when Redis is
-# down after a task's body (llmpipe/result_backend.py): the message is never left unacked.
-result_backend = ("llmpipe.result_backend:OutcomeSentinelBackend+" if is_sentinel(_s.redis_url)
-                  else "llmpipe.result_backend:OutcomeRedisBackend+") + celery_url(_s.redis_url)
+# down after a task's body (llmpipe/broker/result_backend.py): the message is never left unacked.
+result_backend = ("llmpipe.broker.result_backend:OutcomeSentinelBackend+" if is_sentinel(_s.redis_url)
+                  else "llmpipe.broker.result_backend:OutcomeRedisBackend+") + celery_url(_s.redis_url)
 _sentinel_broker = sentinel_transport_options(_s.effective_broker_url, _s.redis_sentinel_master, socket_timeout=5,
                                               socket_connect_timeout=3)
 _sentinel_backend = sentinel_transport_options(_s.redis_url, _s.redis_sentinel_master, socket_timeout=5,
@@ -71,7 +71,7 @@ task_reject_on_worker_lost = True
 worker_prefetch_multiplier = 1
 
 broker_transport_options = {
-    # Priority lanes (llmpipe/lanes.py): each queue is one list per step, and consumers claim
+    # Priority lanes (llmpipe/jobs/lanes.py): each queue is one list per step, and consumers claim
     # from the lowest step first (0: interactive, 9: batch), so a batch backlog never sits
     # in front of an interactive request.
     "priority_steps": list(PRIORITY_STEPS),
@@ -107,7 +107,7 @@ broker_pool_limit = 32
 worker_hijack_root_logger = False
 # What a worker's libraries print (vLLM logs to stdout, progress bars) is logged at INFO, not
 # as WARNING: `llmpipe up` shows workers' warnings, and vLLM's own WARNING lines keep their
-# level in the text (llmpipe/console_filter.py reads it).
+# level in the text (llmpipe/local/console_filter.py reads it).
 worker_redirect_stdouts_level = "INFO"
 worker_cancel_long_running_tasks_on_connection_loss = False
 

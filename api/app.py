@@ -12,26 +12,26 @@ from starlette.concurrency import run_in_threadpool
 
 from api import errors
 from api.detok import Detokenizers
-from api.health import require_live_stages
-from api.jobs import JobService
-from api.metrics_route import build_registries
-from api.metrics_route import router as metrics_router
+from api.jobs.protocol import ErrorResponse
+from api.jobs.router import router as jobs_router
+from api.jobs.service import JobService
+from api.openai.router import router as openai_router
 from api.openapi import MethodsAllowed, document_errors
-from api.result_backend import polling_backend_url
-from api.routes_admin import router as admin_router
-from api.routes_jobs import router as jobs_router
-from api.routes_openai import router as openai_router
-from api.routes_vllm import router as vllm_router
-from api.schemas import ErrorResponse
+from api.ops.admin import router as admin_router
+from api.ops.health import require_live_stages
+from api.ops.metrics import build_registries
+from api.ops.metrics import router as metrics_router
 from api.security import BodyLimit, require_key
 from api.validation import Limits, bind, prepared_model_path
+from api.vllm.router import router as vllm_router
 from api.waiter import JobWaiter
-from llmpipe.admission import Admission
-from llmpipe.heap import freeze_heap
-from llmpipe.jobs import JobStore
-from llmpipe.queue_depth import depth_reader
-from llmpipe.redis_clients import celery_url, fail_fast_retry, from_settings, sentinel_transport_options
-from llmpipe.redis_transport import transport_for
+from llmpipe.broker.polling_backend import polling_backend_url
+from llmpipe.broker.queue_depth import depth_reader
+from llmpipe.broker.redis_clients import celery_url, fail_fast_retry, from_settings, sentinel_transport_options
+from llmpipe.broker.redis_transport import transport_for
+from llmpipe.jobs.admission import Admission
+from llmpipe.jobs.store import JobStore
+from llmpipe.observability.heap import freeze_heap
 from llmpipe.settings import Settings, get_settings
 
 
@@ -43,7 +43,7 @@ def _model_path(settings: Settings, source: str) -> str:
 
 def serve_app() -> FastAPI:
     """The app of a server process: ``create_app`` with the settings of the environment,
-    then start-up's heap frozen (llmpipe/heap.py), since an API process keeps it to its end.
+    then start-up's heap frozen (llmpipe/observability/heap.py), since an API process keeps it to its end.
     Tests build apps with ``create_app``, which freezes nothing in their process."""
     app = create_app()
     freeze_heap()

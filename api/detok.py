@@ -55,7 +55,7 @@ class IncrementalText:
     """Text deltas from a growing list of token ids, in O(1) per token: the library's own
     streaming decoder (``DecodeStream``) keeps only the last few ids it needs. A token
     that ends inside a UTF-8 sequence gives no text until the next one completes it; what
-    is still held at the end comes with the final text (``_Choice.rest`` in api/sse.py).
+    is still held at the end comes with the final text (``_Choice.rest`` in api/openai/sse.py).
 
     ``prefix``: the prompt's last ids, which postprocess decodes the output after
     (llmpipe/processors/detokenize.py, as vLLM): the streamed text then is the final text's

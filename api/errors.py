@@ -109,7 +109,7 @@ def status_for(exc: LlmpipeError) -> int:
 
 def install(app: FastAPI) -> None:
     from api.disconnect import ClientGone
-    from api.schemas import UNION_TAGS
+    from api.jobs.protocol import UNION_TAGS
 
     @app.exception_handler(ClientGone)
     async def _gone(_: Request, exc: ClientGone):

@@ -90,7 +90,7 @@ def document_errors(app: FastAPI, spec: dict) -> None:
     for unused in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422 body; ours is ErrorResponse
         schemas.pop(unused, None)
     if "ErrorResponse" not in schemas:
-        from api.schemas import ErrorResponse
+        from api.jobs.protocol import ErrorResponse
 
         schemas["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schemas["ErrorResponse"].pop("$defs", {}))

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmpipe.errors import BadRequestError, LlmpipeError
-from llmpipe.jobs import KEY_PREFIX
+from llmpipe.jobs.store import KEY_PREFIX
 from llmpipe.messages import ErrorReason
 
 HEADER = "Idempotency-Key"

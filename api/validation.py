@@ -25,7 +25,7 @@ from pydantic import BeforeValidator, Field, GetCoreSchemaHandler, GetJsonSchema
 from pydantic_core import PydanticCustomError, core_schema
 
 from llmpipe.errors import BadRequestError, LimitExceededError
-from llmpipe.lanes import PRIORITY_MAX, PRIORITY_MIN
+from llmpipe.jobs.lanes import PRIORITY_MAX, PRIORITY_MIN
 from llmpipe.settings import Settings
 
 
@@ -56,7 +56,7 @@ TokenId = Int(ge=0, le=MAX_TOKEN_ID)
 # vLLM takes a torch long; the schema keeps to JSON's exact integers (I-JSON, RFC 7493), as
 # JSON tools (and schema validators) read larger numbers as floats and cannot tell them apart.
 Seed = Int(ge=-(2**53 - 1), le=2**53 - 1)
-# vLLM's priority extension field: lower is sooner; the lane follows (llmpipe/lanes.py).
+# vLLM's priority extension field: lower is sooner; the lane follows (llmpipe/jobs/lanes.py).
 Priority = Int(ge=PRIORITY_MIN, le=PRIORITY_MAX, description=(
     f"vLLM's priority: lower is scheduled sooner, {PRIORITY_MIN} to {PRIORITY_MAX}. Below the server's "
     "lane_batch_priority (default 1) the request is in the interactive lane, else in the batch lane, which is "

@@ -1,7 +1,7 @@
 """Wakes HTTP requests that wait for a job to end, with one shared pub/sub connection.
 
 Every terminal move of a job record is PUBLISHed on the job's done channel, and the message
-is the move itself (llmpipe/jobs.py). The connection holds one pattern subscription to every
+is the move itself (llmpipe/jobs/store.py). The connection holds one pattern subscription to every
 job's done channel, made once per connection, so waiting on a job costs Redis nothing: a
 request that waits (``?wait=``, a non-streaming OpenAI call, an SSE stream) registers in
 this process with :meth:`JobWaiter.watch` and gets a :class:`Wake`, reads the record, and
@@ -41,8 +41,8 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from llmpipe.jobs import DONE_PATTERN, DONE_PREFIX, done_channel
-from llmpipe.redis_clients import DEFAULT_MASTER, aconnect
+from llmpipe.broker.redis_clients import DEFAULT_MASTER, aconnect
+from llmpipe.jobs.store import DONE_PATTERN, DONE_PREFIX, done_channel
 
 log = logging.getLogger("llmpipe.api")
 
@@ -96,7 +96,7 @@ class JobWaiter:
     @contextlib.asynccontextmanager
     async def watch_channel(self, ch: str) -> AsyncIterator[Wake]:
         """Woken by a PUBLISH on ``ch``: a job's done channel, or the Celery result key of a
-        task the API waits for (``POST /tokenize``, api/routes_vllm.py)."""
+        task the API waits for (``POST /tokenize``, api/vllm/router.py)."""
         ev = Wake()
         self._watchers.setdefault(ch, set()).add(ev)
         try:

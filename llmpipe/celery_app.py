@@ -23,6 +23,6 @@ def root_is_expected(allow_root: bool | None) -> bool:
 if root_is_expected(get_settings().allow_root):
     warnings.filterwarnings("ignore", category=SecurityWarning, message=".*superuser privileges")
 
-# Tasks requeue a message whose next stage the broker refused (llmpipe/requeue.py).
-app = Celery("llmpipe", task_cls="llmpipe.requeue:RequeueTask")
+# Tasks requeue a message whose next stage the broker refused (llmpipe/broker/requeue.py).
+app = Celery("llmpipe", task_cls="llmpipe.broker.requeue:RequeueTask")
 app.config_from_object("celeryconfig")

@@ -149,7 +149,7 @@ class _Envelope(_Msg):
     timings: list[StageTiming] = Field(default_factory=list)
     error: StageError | None = None
     stream: bool = False  # publish tokens as they are produced (SSE clients)
-    # vLLM's priority (lower is sooner): picks the lane (llmpipe/lanes.py), orders the
+    # vLLM's priority (lower is sooner): picks the lane (llmpipe/jobs/lanes.py), orders the
     # inference batcher and goes to the engine.
     priority: int = 0
     # The served model's name (llmpipe/models/served.py): the CPU stages pick its tokenizer,

@@ -64,7 +64,7 @@ class Settings(BaseSettings):
 
     # Infrastructure
     # redis://, rediss://, unix:// or sentinel://h1:26379/0;sentinel://h2:26379/0;... (Redis
-    # Sentinel, llmpipe/redis_clients.py) for the broker, the results and every record.
+    # Sentinel, llmpipe/broker/redis_clients.py) for the broker, the results and every record.
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_sentinel_master: str = "mymaster"  # the master's name in the sentinels' config (sentinel:// only)
     # The Celery broker; None: Redis at redis_url. amqp://...: RabbitMQ (quorum queues,
@@ -118,7 +118,7 @@ class Settings(BaseSettings):
     # Admission control (0 disables a limit)
     max_queue_depth: int = 1000
     max_queued_prompt_tokens: int = 2_000_000
-    # Priority lanes (llmpipe/lanes.py): a request of priority >= lane_batch_priority is in
+    # Priority lanes (llmpipe/jobs/lanes.py): a request of priority >= lane_batch_priority is in
     # the batch lane (vLLM's default 0 stays interactive), which is admitted only while the
     # queues and queued tokens are under this share of the limits above, so a batch backlog
     # gets 429 while interactive requests still have the rest of the budget.
@@ -141,7 +141,7 @@ class Settings(BaseSettings):
     flower_password: str = ""
     api_keys: str = ""  # comma-separated bearer keys; empty disables auth
 
-    # Supervision by `llmpipe up` (llmpipe/restarts.py): a child that exits on its own is
+    # Supervision by `llmpipe up` (llmpipe/local/restarts.py): a child that exits on its own is
     # restarted after 1 s, doubling to 30 s; at the restart_max_crashes-th crash within
     # restart_window_s, `llmpipe up` gives up and stops the stack (docs/reliability.md).
     restart_max_crashes: int = Field(5, ge=1)  # past a flaky moment, short of a crash loop burning the machine
@@ -160,7 +160,7 @@ class Settings(BaseSettings):
     sim_postprocess_cpu_ms: float = 0.0
 
     # Reliability (docs/reliability.md)
-    # Worker leases on the Redis broker (llmpipe/leases.py). A worker whose lease was not
+    # Worker leases on the Redis broker (llmpipe/broker/leases.py). A worker whose lease was not
     # renewed for this long is dead: its messages go back to the front of their queues. Short,
     # since renewals come from a thread every lease_ttl_s / 3, not from the tasks.
     lease_ttl_s: float = 4.0
@@ -174,12 +174,12 @@ class Settings(BaseSettings):
     max_deliveries: int = 3  # an inference request delivered more often (it kills its worker) is dead-lettered
     deadletter_ttl_s: int = 7 * 24 * 3600
     deadletter_max_entries: int = 10_000
-    # The deadline watchdog (llmpipe/watchdog.py) in postprocess/collect workers; 0 disables it.
+    # The deadline watchdog (llmpipe/jobs/watchdog.py) in postprocess/collect workers; 0 disables it.
     watchdog_interval_s: float = 2.0
     watchdog_grace_s: float = 5.0  # how long after its deadline an unfinished job is settled
     # How long a worker retries recording a task's outcome (chord counter, failure state)
     # while Redis is unreachable; past it the message is acked and the watchdog settles the
-    # job, so a Redis outage never leaves a message unacked on a live worker (llmpipe/result_backend.py).
+    # job, so a Redis outage never leaves a message unacked on a live worker (llmpipe/broker/result_backend.py).
     outcome_retry_s: float = 15.0
     # Task events feed Flower; off, Flower shows nothing but each task costs less CPU and Redis.
     task_events: bool = True
@@ -194,7 +194,7 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, v: str) -> str:
-        from llmpipe.redis_clients import check_url
+        from llmpipe.broker.redis_clients import check_url
 
         return v if v == "embedded" else check_url(v)  # "embedded": `llmpipe up` starts one
 
@@ -253,7 +253,7 @@ class Settings(BaseSettings):
 
     @property
     def broker_is_amqp(self) -> bool:
-        from llmpipe.queue_depth import is_amqp
+        from llmpipe.broker.queue_depth import is_amqp
 
         return is_amqp(self.effective_broker_url)
 

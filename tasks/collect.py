@@ -1,8 +1,8 @@
 import time
 
-from llmpipe import metrics
-from llmpipe.admission import enabled, release
 from llmpipe.celery_app import app
+from llmpipe.jobs.admission import enabled, release
+from llmpipe.observability import metrics
 from llmpipe.processors.collector import JobCollector, log_job
 from workers.context import context
 
@@ -19,7 +19,7 @@ def collect(results: list[dict], job_id: str, submitted_at: float | None = None,
 def finish_job(results: list[dict], job_id: str, submitted_at: float | None, model: str | None = None) -> dict:
     ctx = context()
     s = ctx.settings
-    # Without admission limits the API reserved nothing (llmpipe/admission.py).
+    # Without admission limits the API reserved nothing (llmpipe/jobs/admission.py).
     admitted = enabled(s.max_queue_depth, s.max_queued_prompt_tokens)
     collector = JobCollector(ctx.jobs, release=lambda j: release(ctx.redis, j) if admitted else None,
                              forget=ctx.memo.forget)

@@ -1,7 +1,7 @@
-from llmpipe import metrics
 from llmpipe.celery_app import app
-from llmpipe.idempotency import DELIVERY
+from llmpipe.jobs.memo import DELIVERY
 from llmpipe.messages import ErrorReason, Stage, StageError, TokenizedRequest
+from llmpipe.observability import metrics
 from workers.context import context
 
 
@@ -13,7 +13,7 @@ def inference(msg: dict) -> dict:
     if req.error is not None:
         return _infer(req)
     # Idempotent by request id: a redelivered or duplicated message returns the result
-    # stored by the first run instead of running the engine again (llmpipe/idempotency.py).
+    # stored by the first run instead of running the engine again (llmpipe/jobs/memo.py).
     value, _ = context().memo.run(Stage.INFERENCE.value, req.request_id, req.deadline, lambda: _infer(req),
                                   over_limit=lambda n: _over_limit(req, n))
     return value

@@ -1,6 +1,6 @@
-from llmpipe import metrics
 from llmpipe.celery_app import app
 from llmpipe.messages import Generation, Stage
+from llmpipe.observability import metrics
 from workers.context import context
 
 

@@ -1,7 +1,7 @@
-from llmpipe import metrics
 from llmpipe.celery_app import app
 from llmpipe.errors import CancelledError, ExpiredError, ModelNotFoundError
 from llmpipe.messages import JobStatus, PromptRequest, Stage
+from llmpipe.observability import metrics
 from workers.context import context
 
 

@@ -6,7 +6,7 @@ from workers.context import context
 @app.task(name="llmpipe.tokenize")
 def tokenize(body: dict) -> dict:
     """``POST /tokenize`` on the preprocess queue: the stage that tokenizes every prompt
-    answers, so the ids are the ones a request would carry (api/routes_vllm.py)."""
+    answers, so the ids are the ones a request would carry (api/vllm/router.py)."""
     try:
         body = dict(body)
         return context().model(body.pop("model", None)).input_processor.tokenize_view(**body)

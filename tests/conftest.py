@@ -20,7 +20,7 @@ MODEL_CACHE = Path(os.environ.get("LLMPIPE_TEST_CACHE", Path.home() / ".cache" /
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    from llmpipe.redis_server import EmbeddedRedis
+    from llmpipe.local.redis_server import EmbeddedRedis
 
     server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), appendonly=False).start()
     yield server

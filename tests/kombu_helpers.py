@@ -7,7 +7,7 @@ import time
 
 from kombu import Connection, Consumer, Producer, Queue
 
-TRANSPORT = "llmpipe.redis_transport:Transport"
+TRANSPORT = "llmpipe.broker.redis_transport:Transport"
 
 
 def connect(url: str, **options) -> Connection:

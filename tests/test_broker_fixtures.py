@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TEST = "tests/llmpipe/test_queue_depth.py::test_amqp_depths_count_ready_messages_and_cache_them"
+TEST = "tests/llmpipe/broker/test_queue_depth.py::test_amqp_depths_count_ready_messages_and_cache_them"
 
 
 def _run(ci: str) -> subprocess.CompletedProcess:
-    from llmpipe.redis_server import free_port
+    from llmpipe.local.redis_server import free_port
 
     env = {**os.environ, "CI": ci, "LLMPIPE_TEST_AMQP_URL": f"amqp://guest:guest@127.0.0.1:{free_port()}/",
            "PYTHONPATH": str(ROOT)}

@@ -10,7 +10,7 @@ DASH = Path(__file__).resolve().parent.parent / "docs" / "grafana" / "llmpipe.js
 def test_dashboard_queries_only_defined_metrics():
     from prometheus_client import REGISTRY
 
-    import llmpipe.metrics  # noqa: F401  (registers the metrics)
+    import llmpipe.observability.metrics  # noqa: F401  (registers the metrics)
 
     defined = {"llmpipe_queue_depth_messages"}
     for metric in REGISTRY.collect():

@@ -123,8 +123,8 @@ def test_container_commands_are_real_llmpipe_commands():
             if not c["image"].startswith("llmpipe"):
                 continue
             if "command" in c:  # a module of the package, run as a sidecar
-                assert c["command"][:3] == ["python", "-m", "llmpipe.metrics_exporter"], c["command"]
-                from llmpipe.metrics_exporter import parser
+                assert c["command"][:3] == ["python", "-m", "llmpipe.observability.exporter"], c["command"]
+                from llmpipe.observability.exporter import parser
 
                 parser().parse_args(c["command"][3:])
                 seen.add("metrics-exporter")

@@ -14,9 +14,9 @@ from functools import cached_property
 
 import redis
 
-from llmpipe.jobs import JobStore
-from llmpipe.redis_clients import from_settings
-from llmpipe.lanes import Lane, batch_lane_slots, lane_for, queue_keys
+from llmpipe.broker.redis_clients import from_settings
+from llmpipe.jobs.lanes import Lane, batch_lane_slots, lane_for, queue_keys
+from llmpipe.jobs.store import JobStore
 from llmpipe.settings import Settings, get_settings
 
 log = logging.getLogger("llmpipe.worker")
@@ -141,8 +141,8 @@ class WorkerContext:
 
     @cached_property
     def memo(self):
-        """Stage results by request id, so a redelivered message re-runs nothing (llmpipe/idempotency.py)."""
-        from llmpipe.idempotency import StageMemo
+        """Stage results by request id, so a redelivered message re-runs nothing (llmpipe/jobs/memo.py)."""
+        from llmpipe.jobs.memo import StageMemo
 
         s = self.settings
         # The memo outlives the latest redelivery: a dead lease's messages come back within
@@ -153,7 +153,7 @@ class WorkerContext:
 
     @cached_property
     def deadletters(self):
-        from llmpipe.deadletter import DeadLetters
+        from llmpipe.jobs.deadletter import DeadLetters
 
         return DeadLetters(self.redis, ttl_s=self.settings.deadletter_ttl_s, max_entries=self.settings.deadletter_max_entries)
 
@@ -161,18 +161,20 @@ class WorkerContext:
     def engine_owner(self):
         from llmpipe.engines.factory import create_engine
         from llmpipe.engines.owner import EngineOwner
+        from workers import hook
 
-        return EngineOwner(lambda: create_engine(self.settings, self.model_path))
+        return EngineOwner(lambda: hook.wrap_engine(create_engine(self.settings, self.model_path), self.settings,
+                                                    self.model_path))
 
     def inference(self):
         """The process's InferenceProcessor (engine + batcher), built on first use."""
         if self._inference is None:
             with self._lock:
                 if self._inference is None:
+                    from llmpipe.jobs import cancel
+                    from llmpipe.jobs.streaming import TokenPublisher, read_published
+                    from llmpipe.observability import metrics
                     from llmpipe.processors.inference_processor import InferenceProcessor
-
-                    from llmpipe import cancel, metrics
-                    from llmpipe.streaming import TokenPublisher, read_published
 
                     engine = self.engine_owner.get()
                     s = self.settings
@@ -216,7 +218,7 @@ class WorkerContext:
 
 def _sample_engine(proc, model: str, every_s: float = 1.0) -> None:
     """Engine gauges for the scrape; stops when the processor is shut down."""
-    from llmpipe import metrics
+    from llmpipe.observability import metrics
 
     while proc.batcher.running:
         try:
@@ -241,7 +243,7 @@ def engine_died(exc: BaseException) -> None:
     done with its ack still pending) goes back to its queue at once, so another inference
     worker (or this one, restarted by its supervisor) takes them now instead of after the
     visibility timeout; one that had already finished replays its stored result
-    (llmpipe/idempotency.py). Nothing waits on the dead engine, so the worker never hangs."""
+    (llmpipe/jobs/memo.py). Nothing waits on the dead engine, so the worker never hangs."""
     from celery.worker import state
 
     log.critical("engine died (%s: %s): requeueing this worker's messages and exiting with %d",
@@ -274,7 +276,7 @@ def engine_died(exc: BaseException) -> None:
         # instead of running again after the requeue.
         time.sleep(0.2)
         for ch in list(channels.values()):
-            # The lease transport (llmpipe/redis_transport.py) gives back everything its lease
+            # The lease transport (llmpipe/broker/redis_transport.py) gives back everything its lease
             # holds in one script, a claim whose reply is still unread included, and claims
             # nothing more.
             release = getattr(ch, "release_lease", None)
@@ -310,12 +312,12 @@ def engine_died(exc: BaseException) -> None:
 def _queue_probe(r: redis.Redis, queue: str, s: Settings | None = None):
     """Company is expected while more requests wait in the broker queue."""
     if s is not None and s.broker_is_amqp:
-        from llmpipe.queue_depth import AmqpDepths
+        from llmpipe.broker.queue_depth import AmqpDepths
 
         depths = AmqpDepths(s.effective_broker_url)
         return lambda: depths.sample((queue,)).depths[queue] > 0
 
-    keys = queue_keys(queue)  # every priority list of the queue (llmpipe/lanes.py)
+    keys = queue_keys(queue)  # every priority list of the queue (llmpipe/jobs/lanes.py)
 
     def probe() -> bool:
         # Redis deletes a list when it empties, so "any list exists" is "a message waits":

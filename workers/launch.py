@@ -70,7 +70,7 @@ def worker_argv(kind: str, s: Settings, *, concurrency: int | None = None, name:
         "-n", name or f"{node_of(kind, s, model)}@%h",  # Celery expands %h to the host name
         "--prefetch-multiplier", str(k.prefetch),
         # Mingle makes each starting worker wait a second for its peers' revoked task ids
-        # and clocks; llmpipe cancels through its own flags (llmpipe/cancel.py), never by
+        # and clocks; llmpipe cancels through its own flags (llmpipe/jobs/cancel.py), never by
         # revoke, so a started or restarted worker takes messages a second sooner without it.
         "--without-mingle",
         *(["-E"] if s.task_events else []),

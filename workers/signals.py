@@ -10,7 +10,7 @@ import sys
 
 from celery.signals import task_failure, worker_init, worker_process_shutdown, worker_ready, worker_shutdown
 
-from workers import task_logging
+from workers import hook, task_logging
 from workers.context import context
 from workers.pool_policy import serves  # its worker_init (pool, kind) runs before the ones below
 
@@ -94,7 +94,7 @@ def _freeze_startup_heap(**_):
     # collection no longer walks it (0.2 s of CPU on a heap with torch, measured here), exit
     # skips its final sweep, and prefork children (forked after worker_init) do not write
     # to the pages they share with their parent. vLLM's engine core does the same.
-    from llmpipe.heap import freeze_heap
+    from llmpipe.observability.heap import freeze_heap
 
     freeze_heap()
 
@@ -105,9 +105,9 @@ _beacon = None
 @worker_ready.connect
 def _announce_ready(sender=None, **_):
     # After _warm (connected first, so it runs first): the API's GET /health answers 200
-    # once every stage has a ready worker (llmpipe/readiness.py).
+    # once every stage has a ready worker (llmpipe/observability/readiness.py).
     global _beacon
-    from llmpipe.readiness import STAGES, ReadinessBeacon
+    from llmpipe.observability.readiness import STAGES, ReadinessBeacon
 
     # An inference worker is ready for its model's queue (inference.<name> with several
     # models): /healthz names the model whose workers are all gone.
@@ -135,7 +135,7 @@ _watchdog = None
 @worker_ready.connect
 def _start_watchdog(sender=None, **_):
     # The deadline watchdog runs in the postprocess/collect workers' main process: it settles
-    # jobs that nothing finished by their deadline (llmpipe/watchdog.py). Its own client, so
+    # jobs that nothing finished by their deadline (llmpipe/jobs/watchdog.py). Its own client, so
     # prefork children never share its connections.
     global _watchdog
     from llmpipe.settings import get_settings
@@ -143,10 +143,10 @@ def _start_watchdog(sender=None, **_):
     s = get_settings()
     if not serves("postprocess", "collect") or s.watchdog_interval_s <= 0:
         return
-    from llmpipe.deadletter import DeadLetters
-    from llmpipe.jobs import JobStore
-    from llmpipe.redis_clients import from_settings
-    from llmpipe.watchdog import Watchdog, WatchdogLoop
+    from llmpipe.broker.redis_clients import from_settings
+    from llmpipe.jobs.deadletter import DeadLetters
+    from llmpipe.jobs.store import JobStore
+    from llmpipe.jobs.watchdog import Watchdog, WatchdogLoop
 
     r = from_settings(s, socket_timeout=5, socket_connect_timeout=3, health_check_interval=30)
     dl = DeadLetters(r, ttl_s=s.deadletter_ttl_s, max_entries=s.deadletter_max_entries)
@@ -164,8 +164,8 @@ def _stop_watchdog(**_):
 def _dead_letter(sender=None, task_id=None, exception=None, args=None, kwargs=None, **_):
     """A task raised an unexpected exception: its chord fails, so its job ends ``failed``
     (the job record is what the API reads), and a dead letter is kept. Not when the broker
-    refused the next stage: that message is requeued (llmpipe/requeue.py)."""
-    from llmpipe.requeue import requeued_on
+    refused the next stage: that message is requeued (llmpipe/broker/requeue.py)."""
+    from llmpipe.broker.requeue import requeued_on
 
     if requeued_on(exception):
         return
@@ -217,7 +217,5 @@ def _survive_broker_loss_with_unacked_messages() -> None:
 _survive_broker_loss_with_unacked_messages()
 
 
-if os.environ.get("LLMPIPE_FAULT_INJECT"):  # tests only (llmpipe/engines/faulty.py)
-    from llmpipe.engines.faulty import install_task_hooks
-
-    install_task_hooks()
+# The one hook from outside the runtime (workers/hook.py); the tests' fault injection.
+hook.install()

@@ -15,7 +15,7 @@ import threading
 
 from celery.signals import task_success
 
-from llmpipe.summaries import summarize  # noqa: F401 - also this module's API
+from llmpipe.observability.summaries import summarize  # noqa: F401 - also this module's API
 
 SUMMARY_FORMAT = "Task %(name)s[%(id)s] succeeded in %(runtime)ss: %(summary)s"
 

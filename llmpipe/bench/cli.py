@@ -132,7 +132,7 @@ def bench(ctx, engines, modes, concurrency, rate, requests, duration, prompt_tok
     from llmpipe.bench.plan import ENGINES, Options, build_plans
     from llmpipe.bench.report import write_all
     from llmpipe.bench.runner import RunConfig, run_plans
-    from llmpipe.redis_server import EmbeddedRedis
+    from llmpipe.local.redis_server import EmbeddedRedis
     from llmpipe.settings import Settings
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     a = p.parse_args(argv)
-    # As the pipeline's API (llmpipe/cli.py api): access log on, info level.
+    # As the pipeline's API (llmpipe/cli/commands.py api): access log on, info level.
     uvicorn.run(f"{MODULE}:create_app", factory=True, host=a.host, port=a.port, log_level="info",
                 timeout_graceful_shutdown=10)
 

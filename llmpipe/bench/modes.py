@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from llmpipe.redis_server import free_port
+from llmpipe.local.redis_server import free_port
 from llmpipe.settings import EngineKind, Settings
 
 
@@ -118,8 +118,8 @@ def has_completions_endpoint() -> bool:
 
 def start_server(mode: Mode, eng: EngineSetup, redis_url: str, log_dir: Path, *, ready_timeout: float = 900.0,
                  console=None) -> Server:
-    from llmpipe.local import LocalPipeline, settings_env
-    from llmpipe.supervisor import Supervisor, python_env
+    from llmpipe.local.pipeline import LocalPipeline, settings_env
+    from llmpipe.local.supervisor import Supervisor, python_env
 
     log_dir.mkdir(parents=True, exist_ok=True)
     s = eng.settings(mode, redis_url, log_dir / "state")
@@ -176,8 +176,8 @@ def _start_floor(mode: Mode, s: Settings, env: dict, sup, port: int, ready_timeo
     from celery import Celery
 
     from llmpipe.bench.floor import QUEUES, floor_worker_argv
-    from llmpipe.local import settings_env
-    from llmpipe.supervisor import python_env
+    from llmpipe.local.pipeline import settings_env
+    from llmpipe.local.supervisor import python_env
 
     penv = python_env({**settings_env(s), **env})
     pids = {}

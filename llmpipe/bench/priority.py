@@ -179,11 +179,11 @@ def bench_priority(model_path: str, tokenizer, sim: dict, out: Path, console, *,
     import json
     import os
 
-    from llmpipe.bench.modes import BASE_ENV, Mode, EngineSetup
+    from llmpipe.bench.modes import BASE_ENV, EngineSetup, Mode
     from llmpipe.bench.prompts import count_tokens, make_prompts
-    from llmpipe.lanes import batch_lane_slots
-    from llmpipe.local import LocalPipeline
-    from llmpipe.redis_server import EmbeddedRedis
+    from llmpipe.jobs.lanes import batch_lane_slots
+    from llmpipe.local.pipeline import LocalPipeline
+    from llmpipe.local.redis_server import EmbeddedRedis
     from llmpipe.settings import EngineKind, Settings
 
     o = o or PriorityOptions()

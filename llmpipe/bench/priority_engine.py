@@ -5,7 +5,7 @@ priority scheduling with chunked prefill) is stepped on a virtual clock and fed 
 backlog, delivered at ``batch_rate`` per second (the rate the CPU stages hand it on), and
 interactive requests at ``interactive_rate``. The batch lane holds at most ``batch_slots``
 requests in the engine (waiting + running), as the inference batcher holds the rest
-(llmpipe/batching.py). Deterministic, so it separates what the engine's scheduling costs an
+(llmpipe/processors/batching.py). Deterministic, so it separates what the engine's scheduling costs an
 interactive request from the machine's load:
 
     python -m llmpipe.bench.priority_engine

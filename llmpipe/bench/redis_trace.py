@@ -59,7 +59,7 @@ def _purpose(cmd: str, parts: list[str]) -> str:
 
 
 def _collect(url: str, seconds: float | None, stop: threading.Event, out: Counter, ready: threading.Event) -> None:
-    from llmpipe.redis_clients import connect
+    from llmpipe.broker.redis_clients import connect
 
     r = connect(url)
     end = time.monotonic() + seconds if seconds else None

@@ -19,7 +19,7 @@ from llmpipe.bench.loadgen import JobsClient, OpenAIClient, enrich, run_load
 from llmpipe.bench.modes import MODES, EngineSetup, Server, start_server
 from llmpipe.bench.redis_trace import trace
 from llmpipe.bench.stats import cdf_points, summarize
-from llmpipe.redis_clients import connect
+from llmpipe.broker.redis_clients import connect
 
 
 @dataclass(frozen=True)

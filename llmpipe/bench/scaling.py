@@ -2,7 +2,7 @@
 on its own host, with a 20 ms round trip between hosts; and what those hops add to the
 latency of one worker against everything on one host.
 
-Hosts are network namespaces (``llmpipe.hosts``): Redis, the API, the CPU workers, each
+Hosts are network namespaces (``llmpipe.testing.hosts``): Redis, the API, the CPU workers, each
 inference worker and the load generator each on their own. The engine is the SIMULATED
 GPU (it sleeps, so GPU time costs no CPU). Inference workers are started one after the
 other on the same hosts (1, then 2, then 4), every other process stays up, and each
@@ -159,8 +159,8 @@ def measure(hp, o: ScalingOptions, layout: str, workers: int, c: int, network: b
 
 def _run_layout(o: ScalingOptions, layout: str, console: Console, points: list[tuple[int, int, bool]]) -> list[dict]:
     """Start the layout, take ``points`` (workers, concurrency, network?) in order, stop."""
-    from llmpipe.hosts.harness import Hosts
-    from llmpipe.hosts.pipeline import HostsPipeline, Placement
+    from llmpipe.testing.hosts.harness import Hosts
+    from llmpipe.testing.hosts.pipeline import HostsPipeline, Placement
 
     max_workers = max(w for w, _, _ in points)
     one = layout == "one-host"
@@ -244,8 +244,8 @@ def bench_scaling(given: dict, console: Console) -> int:
     from llmpipe.bench.cli import _loadavg, _machine, _versions
     from llmpipe.bench.prompts import count_tokens, make_prompts
     from llmpipe.bench.scaling_report import analyze, write
-    from llmpipe.hosts.netns import available
     from llmpipe.models.registry import resolve_model
+    from llmpipe.testing.hosts.netns import available
 
     why = available()
     if why:

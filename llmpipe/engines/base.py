@@ -17,7 +17,7 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    priority: int = 0  # vLLM's: lower is scheduled sooner (llmpipe/lanes.py)
+    priority: int = 0  # vLLM's: lower is scheduled sooner (llmpipe/jobs/lanes.py)
 
 
 @dataclass

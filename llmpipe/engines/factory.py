@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 from llmpipe.engines.base import Engine
 from llmpipe.errors import EngineError
 from llmpipe.settings import EngineKind, Settings
@@ -18,19 +16,7 @@ def _model_path(settings: Settings, model_path: str | None) -> str:
 
 
 def create_engine(settings: Settings, model_path: str | None = None) -> Engine:
-    """A new engine for ``settings``; the model is resolved (built, converted) when needed.
-
-    Tests only: with LLMPIPE_FAULT_INJECT set, the engine is wrapped to fail on purpose
-    (llmpipe/engines/faulty.py)."""
-    engine = _create_engine(settings, model_path)
-    if os.environ.get("LLMPIPE_FAULT_INJECT"):
-        from llmpipe.engines.faulty import wrap_from_env
-
-        engine = wrap_from_env(engine, settings, model_path)
-    return engine
-
-
-def _create_engine(settings: Settings, model_path: str | None) -> Engine:
+    """A new engine for ``settings``; the model is resolved (built, converted) when needed."""
     kind = EngineKind(settings.engine)
     if kind in (EngineKind.VLLM, EngineKind.TRANSFORMERS):
         from llmpipe.engines.platform import engine_config

@@ -35,7 +35,7 @@ from typing import Any
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
 from llmpipe.errors import EngineDeadError, EngineError
 from llmpipe.messages import FinishReason, Logprob
-from llmpipe.metrics import ENGINE_ABORTS
+from llmpipe.observability.metrics import ENGINE_ABORTS
 
 log = logging.getLogger(__name__)
 

@@ -116,7 +116,7 @@ def engine_config(s: Settings, platform: Platform | None = None, *, vllm_fields:
         _pick(cfg, "max_num_seqs", s.max_num_seqs, d["max_num_seqs"])
         if "max_num_seqs" not in cfg.args:
             cfg.sources["max_num_seqs"] = _vllm_source(cfg.platform)
-        # Priority lanes hold inside the engine: requests carry their priority (llmpipe/lanes.py).
+        # Priority lanes hold inside the engine: requests carry their priority (llmpipe/jobs/lanes.py).
         # vLLM's own is fcfs, which refuses a priority.
         cfg.args["scheduling_policy"], cfg.sources["scheduling_policy"] = d["scheduling_policy"], LANES
         # The API refuses logprobs requests over this; vLLM must allow as many.

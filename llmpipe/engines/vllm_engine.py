@@ -25,11 +25,16 @@ from typing import Any
 
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
 from llmpipe.engines.vllm_convert import (
-    StatsSink, as_id_list, is_transient, position, prompt_positions, sampling_params,
+    StatsSink,
+    as_id_list,
+    is_transient,
+    position,
+    prompt_positions,
+    sampling_params,
 )
 from llmpipe.errors import EngineBadRequestError, EngineDeadError, EngineError
 from llmpipe.messages import FinishReason, Logprob, SamplingParams
-from llmpipe.metrics import ENGINE_ABORTS
+from llmpipe.observability.metrics import ENGINE_ABORTS
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +93,7 @@ class VllmEngine(Engine):
             "dtype": "auto",
             "seed": 0,
             # Priority lanes hold inside the engine too: vLLM schedules waiting (and, under KV
-            # pressure, preempts running) requests by priority, lower first (llmpipe/lanes.py).
+            # pressure, preempts running) requests by priority, lower first (llmpipe/jobs/lanes.py).
             "scheduling_policy": "priority",
             "kv_cache_memory_bytes": kv_bytes,
             "disable_log_stats": True,  # our own stat logger below still gets the stats
@@ -138,10 +143,9 @@ class VllmEngine(Engine):
         self._loop.run_forever()
 
     async def _start(self) -> None:
-        from vllm.v1.engine.async_llm import AsyncLLM
-
         # Created on the loop so that AsyncLLM's output handler runs on it.
         from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
 
         # vllm serve's context: the defaults it picks (max_num_seqs, max_num_batched_tokens).
         self._llm = AsyncLLM.from_engine_args(self._args, usage_context=UsageContext.OPENAI_API_SERVER,

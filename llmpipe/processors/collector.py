@@ -8,8 +8,8 @@ from typing import Any
 
 from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from llmpipe.broker.redis_clients import UNAVAILABLE_ERRORS
 from llmpipe.messages import ErrorReason, JobResult, JobStatus, PromptResult, Stage, StageError, Usage
-from llmpipe.redis_clients import UNAVAILABLE_ERRORS
 
 log = logging.getLogger("llmpipe.collect")
 # The job's one INFO line belongs to the postprocess stage's log (issue 15: counts, never content).
@@ -45,7 +45,7 @@ def collect_job(job_id: str, results: list[dict]) -> JobResult:
 
 class JobCollector:
     """The chord callback's work, without Celery: the job record takes the result and its
-    terminal status in one step (the one source of truth; llmpipe/jobs.py), then the job's
+    terminal status in one step (the one source of truth; llmpipe/jobs/store.py), then the job's
     admission reservation and stage memos are freed.
 
     A Redis blip must not fail a job whose prompts all succeeded: the record write is

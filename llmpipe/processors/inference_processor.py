@@ -10,12 +10,12 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 
-from llmpipe.batching import Batcher
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest
 from llmpipe.errors import BadRequestError, CancelledError, EngineDeadError, EngineError, ExpiredError
-from llmpipe.isolation import run_isolated
 from llmpipe.messages import ErrorReason, FinishReason, Generation, SamplingParams, Stage, StageError, TokenizedRequest
+from llmpipe.processors.batching import Batcher
 from llmpipe.processors.envelope import WallClock, run_stage
+from llmpipe.processors.isolation import run_isolated
 
 log = logging.getLogger("llmpipe.inference")
 

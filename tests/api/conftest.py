@@ -26,7 +26,7 @@ def wait_for(pred, timeout: float = 5.0):
 
 def finish_job(redis_client, job_id: str, *, text: str = "hi", error: dict | None = None) -> None:
     """What the chord callback does: the record takes the result and its status."""
-    from llmpipe.jobs import JobStore
+    from llmpipe.jobs.store import JobStore
     from llmpipe.messages import JobResult
 
     results = [{"index": 0, "text": text, "finish_reason": "error" if error else "stop",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from api.detok import Detokenizer, IncrementalText
-from api.sse import _Choice
+from api.openai.sse import _Choice
 
 
 def test_streamed_deltas_complete_to_the_full_decode(tiny_model):

@@ -13,8 +13,8 @@ import httpx
 import pytest
 import uvicorn
 
-from llmpipe.cancel import CHANNEL
-from llmpipe.redis_server import free_port
+from llmpipe.jobs.cancel import CHANNEL
+from llmpipe.local.redis_server import free_port
 from llmpipe.settings import Settings
 
 

@@ -98,7 +98,7 @@ def test_a_retry_waits_on_the_job_of_the_first_attempt(client, redis_client, hel
 def test_a_key_whose_clients_all_left_makes_a_new_job(client, redis_client):
     """The job of a request whose client disconnected was cancelled and will never be read:
     its key moves to a new job rather than answering the retry with 'cancelled'."""
-    from llmpipe.jobs import JobStore
+    from llmpipe.jobs.store import JobStore
 
     r = client.post("/v1/jobs", json={"prompt": "x"}, headers=_auth(idem="e"))
     job_id = r.json()["id"]

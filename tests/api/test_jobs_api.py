@@ -79,7 +79,7 @@ def test_limits_are_400_and_name_the_limit(client):
 
 def test_redis_outage_is_503(tmp_path):
     from api.app import create_app
-    from llmpipe.redis_server import free_port
+    from llmpipe.local.redis_server import free_port
 
     s = Settings(redis_url=f"redis://127.0.0.1:{free_port()}/0", state_dir=tmp_path)
     with TestClient(create_app(s)) as c:
@@ -151,7 +151,7 @@ def test_an_ended_job_never_changes(client, redis_client, helpers):
 
     gone = client.post("/v1/jobs", json={"prompt": "x"}).json()["id"]
     assert client.post(f"/v1/jobs/{gone}/cancel").json()["status"] == "cancelled"
-    from llmpipe.jobs import JobStore
+    from llmpipe.jobs.store import JobStore
     from llmpipe.messages import JobResult
 
     late = JobResult.model_validate({"job_id": gone, "status": "succeeded", "results": [], "usage": {}})
@@ -161,7 +161,7 @@ def test_an_ended_job_never_changes(client, redis_client, helpers):
 
 
 def test_job_deadline_index_holds_only_unfinished_jobs(client, redis_client, helpers):
-    from llmpipe.jobs import DEADLINE_INDEX, JobStore
+    from llmpipe.jobs.store import DEADLINE_INDEX, JobStore
 
     a = client.post("/v1/jobs", json={"prompt": "x"}).json()["id"]
     b = client.post("/v1/jobs", json={"prompt": "x"}).json()["id"]
@@ -218,7 +218,7 @@ def test_openapi_documents_every_endpoint_and_error(client):
 
 
 def test_deadletters_are_listed_and_removed(client, redis_client):
-    from llmpipe.deadletter import DeadLetters
+    from llmpipe.jobs.deadletter import DeadLetters
 
     e = DeadLetters(redis_client).record(stage="inference", reason="engine_error", message="boom", job_id="j", request_id="j-0")
     body = client.get("/v1/admin/deadletters").json()
@@ -243,13 +243,13 @@ def test_a_job_that_cannot_be_enqueued_keeps_no_admission_reservation(client, re
 
     import redis
 
-    import api.jobs
+    import api.jobs.service
 
     def down(*a, **k):
         raise redis.exceptions.ConnectionError("blip")
 
     # the broker publish fails: the job ends failed, its reservation is freed
-    monkeypatch.setattr(api.jobs, "chord", lambda header, body: SimpleNamespace(apply_async=down))
+    monkeypatch.setattr(api.jobs.service, "chord", lambda header, body: SimpleNamespace(apply_async=down))
     r = client.post("/v1/jobs", json={"prompt": "x"})
     assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable"
     assert _reserved(redis_client) == (0, 0, 0, 0)
@@ -265,7 +265,7 @@ def test_a_job_that_cannot_be_enqueued_keeps_no_admission_reservation(client, re
 
 def test_the_queued_message_shows_ids_and_sizes_not_the_prompt(client, redis_client):
     """Task events (Flower) and worker logs show a message's ``argsrepr``: by default it holds
-    no prompt text (llmpipe/summaries.py)."""
+    no prompt text (llmpipe/observability/summaries.py)."""
     r = client.post("/v1/jobs", json={"prompt": "the secret plan " * 40, "max_tokens": 5})
     job_id = r.json()["id"]
     [msg] = _queued_messages(redis_client)
@@ -288,7 +288,7 @@ def test_log_content_keeps_celerys_own_argsrepr(redis_client, redis_url, tmp_pat
 def test_log_content_holds_where_the_tasks_are_registered_too(redis_client, redis_url, tmp_path):
     """Where the stage tasks are registered in the API's process too (a test process), a
     message goes out through the task class, which fills in a summary by the process's
-    settings when the message names no ``argsrepr`` (llmpipe/requeue.py): the API's own
+    settings when the message names no ``argsrepr`` (llmpipe/broker/requeue.py): the API's own
     log_content must still decide."""
     import tasks.preprocess  # noqa: F401  registers llmpipe.preprocess in this process's app
     from api.app import create_app

@@ -79,7 +79,7 @@ def test_a_backed_up_model_queue_refuses_only_that_models_jobs(client, redis_cli
 
 
 def test_healthz_names_the_model_whose_inference_workers_are_gone(client, redis_client):
-    from llmpipe.readiness import ReadinessBeacon
+    from llmpipe.observability.readiness import ReadinessBeacon
 
     b = ReadinessBeacon(redis_client, ["preprocess", "inference.a", "postprocess", "collect"], "n1").start()
     try:

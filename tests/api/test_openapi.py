@@ -111,7 +111,7 @@ def test_options_and_methods_a_path_lacks_answer_with_allow(client):
 
 
 def test_delete_cancels_then_forgets_the_job_and_cancel_keeps_it(client, redis_client):
-    from llmpipe.jobs import DEADLINE_INDEX
+    from llmpipe.jobs.store import DEADLINE_INDEX
 
     job_id = client.post("/v1/jobs", json={"prompt": "x"}).json()["id"]
     r = client.delete(f"/v1/jobs/{job_id}")

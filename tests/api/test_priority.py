@@ -1,4 +1,4 @@
-"""The priority field (vLLM's extension, llmpipe/lanes.py) at the API, against a real Redis
+"""The priority field (vLLM's extension, llmpipe/jobs/lanes.py) at the API, against a real Redis
 with no workers: its range in the schema and in validation, the lane's broker priority on
 every stage's message, and each lane's admission budget."""
 
@@ -10,7 +10,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from llmpipe.lanes import PRIORITY_MAX, PRIORITY_MIN, Lane, broker_priority, queue_keys
+from llmpipe.jobs.lanes import PRIORITY_MAX, PRIORITY_MIN, Lane, broker_priority, queue_keys
 from llmpipe.settings import Settings
 
 

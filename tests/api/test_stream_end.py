@@ -9,11 +9,11 @@ import json
 import time
 
 from api.detok import Detokenizer
-from api.schemas import JobView
-from api.sse import FALLBACK_S, stream_job
-from llmpipe.jobs import JobStore
+from api.jobs.protocol import JobView
+from api.openai.sse import FALLBACK_S, stream_job
+from llmpipe.jobs.store import JobStore
+from llmpipe.jobs.streaming import apply_entries, is_end, stream_key
 from llmpipe.messages import JobResult, JobStatus
-from llmpipe.streaming import apply_entries, is_end, stream_key
 
 
 def _result(job_id: str, text: str) -> JobResult:
@@ -98,7 +98,7 @@ def test_the_reader_blocks_on_the_stream_and_ends_at_the_marker(tiny_model):
 
 
 def test_a_streams_first_tokens_are_due_at_once_and_a_non_stream_finish_publishes_nothing(redis_client):
-    from llmpipe.streaming import TokenPublisher
+    from llmpipe.jobs.streaming import TokenPublisher
 
     now = [100.0]
     pub = TokenPublisher(redis_client, flush_s=60, partial_every_s=60, clock=lambda: now[0])

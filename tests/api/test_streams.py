@@ -2,8 +2,8 @@
 
 import json
 
-from api.sse import _Choice
-from llmpipe.streaming import PromptInfo, TokenPublisher, apply_entries
+from api.openai.sse import _Choice
+from llmpipe.jobs.streaming import PromptInfo, TokenPublisher, apply_entries
 
 
 def _e(i, off, ids):

@@ -12,14 +12,13 @@ import redis
 from celery import Celery
 
 import celeryconfig
-
-from api.jobs import JobService
-from api.result_backend import polling_backend_url
-from llmpipe.admission import Admission
-from llmpipe.hosts.proxy import DelayProxy
-from llmpipe.jobs import JobStore
+from api.jobs.service import JobService
+from llmpipe.broker.polling_backend import polling_backend_url
+from llmpipe.jobs.admission import Admission
+from llmpipe.jobs.store import JobStore
 from llmpipe.messages import SamplingParams
 from llmpipe.settings import Settings
+from llmpipe.testing.hosts.proxy import DelayProxy
 
 
 def _start_proxy(target_port: int, delay_s: float):

@@ -33,7 +33,7 @@ def client(make_client):
 
 
 def test_health_is_503_until_every_stage_has_a_ready_worker(client, redis_client):
-    from llmpipe.readiness import STAGES, ReadinessBeacon
+    from llmpipe.observability.readiness import STAGES, ReadinessBeacon
 
     r = client.get("/health")
     assert r.status_code == 503
@@ -51,7 +51,7 @@ def test_health_is_503_until_every_stage_has_a_ready_worker(client, redis_client
 
 
 def test_healthz_is_503_naming_each_stage_without_a_live_worker(client, redis_client):
-    from llmpipe.readiness import STAGES, ReadinessBeacon
+    from llmpipe.observability.readiness import STAGES, ReadinessBeacon
 
     r = client.get("/healthz")
     err = r.json()["error"]
@@ -79,7 +79,7 @@ def test_healthz_is_503_naming_each_stage_without_a_live_worker(client, redis_cl
 def test_a_dead_workers_readiness_lapses_within_the_ttl(redis_client):
     """A worker killed with SIGKILL withdraws nothing: its keys lapse by their TTL (15 s),
     which bounds how late /healthz sees the death."""
-    from llmpipe.readiness import ReadinessBeacon, key
+    from llmpipe.observability.readiness import ReadinessBeacon, key
 
     b = ReadinessBeacon(redis_client, ["inference"], "n2")
     assert (b.ttl_s, b.every_s) == (15, 5.0)
@@ -95,7 +95,7 @@ def _gauge(text: str, name: str) -> dict[str, float]:
 
 
 def test_readiness_keys_expire_when_a_worker_stops_beating(redis_client):
-    from llmpipe.readiness import ReadinessBeacon, key, ready_stages
+    from llmpipe.observability.readiness import ReadinessBeacon, key, ready_stages
 
     b = ReadinessBeacon(redis_client, ["inference"], "n1", ttl_s=7)
     b.beat()

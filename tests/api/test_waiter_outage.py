@@ -11,7 +11,7 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
-from llmpipe.redis_server import EmbeddedRedis
+from llmpipe.local.redis_server import EmbeddedRedis
 from llmpipe.settings import Settings
 
 

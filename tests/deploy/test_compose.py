@@ -16,11 +16,23 @@ import jsonschema
 import pytest
 
 from tests.deploy.compose_spec import (
-    ROOT, SCHEMA_FILE, CPU_STAGE_WORKERS, GPU_WORKER, CPU_INFERENCE_WORKER, MODELS, GPU_WORKERS,
-    CPU_INFERENCE_WORKERS, QUEUES, command_of, workers_of, llmpipe_services, depends_on,
-    volume_mounts, duration_s, uid,
+    CPU_INFERENCE_WORKER,
+    CPU_INFERENCE_WORKERS,
+    CPU_STAGE_WORKERS,
+    GPU_WORKER,
+    GPU_WORKERS,
+    MODELS,
+    QUEUES,
+    ROOT,
+    SCHEMA_FILE,
+    command_of,
+    depends_on,
+    duration_s,
+    llmpipe_services,
+    uid,
+    volume_mounts,
+    workers_of,
 )
-
 
 # --------------------------------------------------------------- JSON schema (always)
 

@@ -16,10 +16,15 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.compose_spec import (
-    ROOT, COMPOSE_FILE, CPU_STAGE_WORKERS, GPU_WORKER, CPU_INFERENCE_WORKER, GPU_WORKERS,
-    CPU_INFERENCE_WORKERS, uid,
+    COMPOSE_FILE,
+    CPU_INFERENCE_WORKER,
+    CPU_INFERENCE_WORKERS,
+    CPU_STAGE_WORKERS,
+    GPU_WORKER,
+    GPU_WORKERS,
+    ROOT,
+    uid,
 )
-
 
 _BROKEN_COMPOSE = "services:\n  x:\n    image: busybox\n    not_a_compose_key: true\n"
 

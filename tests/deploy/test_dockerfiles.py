@@ -8,7 +8,12 @@ import re
 from pathlib import Path
 
 from tests.deploy.compose_spec import (
-    DOCKERFILE_CPU, DOCKERFILE_GPU, ENTRYPOINT, DOCKERIGNORE, llmpipe_services, uid,
+    DOCKERFILE_CPU,
+    DOCKERFILE_GPU,
+    DOCKERIGNORE,
+    ENTRYPOINT,
+    llmpipe_services,
+    uid,
 )
 
 

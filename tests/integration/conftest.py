@@ -7,18 +7,19 @@ import os
 
 import pytest
 
-from llmpipe.redis_server import free_port
-from tests.stacks import teardown
+from llmpipe.local.redis_server import free_port
+from llmpipe.testing import faulty
+from tests.stacks import TEST_ENGINE, TEST_ENGINE_ENV, teardown
 
 
 def start_pipeline(tmp_path, redis_url, model, engine, *, flower=True, extra_env=None, **overrides):
-    from llmpipe.local import LocalPipeline
+    from llmpipe.local.pipeline import LocalPipeline
     from llmpipe.settings import Settings
 
     s = Settings(
         redis_url=redis_url, model=model, engine=engine, state_dir=tmp_path, api_port=free_port(),
         flower_port=free_port(), cpu_workers=1, max_batch_size=16, batch_window_ms=50, kv_cache_gib=1,
-        **overrides,
+        **{**TEST_ENGINE, **overrides},
     )
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(extra_env or {})}
     p = LocalPipeline(s, flower=flower, extra_env=env).start()
@@ -83,7 +84,7 @@ class PlainCelery:
 
         from celery import Celery
 
-        from llmpipe.supervisor import Supervisor, python_env
+        from llmpipe.local.supervisor import Supervisor, python_env
 
         self.redis_url = redis_url
         self.api_port = free_port()
@@ -92,7 +93,7 @@ class PlainCelery:
             "LLMPIPE_REDIS_URL": redis_url, "LLMPIPE_MODEL": model, "LLMPIPE_ENGINE": "vllm",
             "LLMPIPE_STATE_DIR": str(tmp_path), "LLMPIPE_API_PORT": str(self.api_port), "LLMPIPE_KV_CACHE_GIB": "1",
             "LLMPIPE_MAX_BATCH_SIZE": "8", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1",
-            "TOKENIZERS_PARALLELISM": "false", **settings,
+            "TOKENIZERS_PARALLELISM": "false", **TEST_ENGINE_ENV, **settings,
         })
         env.pop("LLMPIPE_WORKER_KIND", None)
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
@@ -128,7 +129,7 @@ class PlainCelery:
         return self.sup.spawn("api", argv, self.env)
 
     def _check_alive(self) -> None:
-        from llmpipe.local import exit_reason
+        from llmpipe.local.pipeline import exit_reason
 
         dead = self.sup.exited()
         if dead:
@@ -199,7 +200,7 @@ def plain_celery():
     return PlainCelery
 
 
-# Markers the test-only fault injector reacts to (llmpipe/engines/faulty.py).
+# Markers the test-only fault injector reacts to (llmpipe/testing/faulty.py).
 FAULTS = {"poison": "POISONPILL", "fail_after_tokens": {"LATEPOISON": 8}, "ledger": True}
 
 
@@ -213,6 +214,6 @@ def faulty_pipeline(tmp_path_factory, redis_server, tiny_model):
 
     redis.Redis.from_url(redis_server.url).flushdb()
     p = start_pipeline(tmp_path_factory.mktemp("pipe-faulty"), redis_server.url, tiny_model, "transformers",
-                       flower=False, extra_env={"LLMPIPE_FAULT_INJECT": json.dumps(FAULTS)})
+                       flower=False, extra_env=faulty.env(FAULTS))
     yield p
     teardown(p)

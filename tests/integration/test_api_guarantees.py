@@ -19,7 +19,7 @@ from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
-# llmpipe/engines/faulty.py
+# llmpipe/testing/faulty.py
 STARTED = "llmpipe:test:engine-started"
 DELAYS = "llmpipe:test:delays"
 
@@ -69,7 +69,7 @@ def test_openai_client_on_its_defaults_makes_one_job_per_failed_request(faulty_p
 
 # -- 4. the streamed text is the final text, whatever was retried ---------------------------
 def _ids_of(r, job_id: str) -> dict[int, list[int]]:
-    from llmpipe.streaming import read_published
+    from llmpipe.jobs.streaming import read_published
 
     return read_published(r, job_id)
 

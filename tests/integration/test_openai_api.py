@@ -177,7 +177,7 @@ def test_vllm_bench_serve_runs_against_llmpipe_without_failures(secured_pipeline
     import sys
 
     env = {**os.environ, "OPENAI_API_KEY": KEY}
-    cmd = [sys.executable, "-m", "llmpipe.vllm_cli", "bench", "serve", "--backend", "openai",
+    cmd = [sys.executable, "-m", "llmpipe.cli.vllm", "bench", "serve", "--backend", "openai",
            "--base-url", secured_pipeline.api_url, "--model", secured_pipeline.s.model,
            "--tokenizer", secured_pipeline.s.model, "--dataset-name", "random", "--random-input-len", "32",
            "--random-output-len", "8", "--num-prompts", "24", "--max-concurrency", "8", "--ignore-eos",

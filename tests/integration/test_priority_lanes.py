@@ -11,7 +11,7 @@ import httpx
 import pytest
 import redis
 
-from llmpipe.redis_server import free_port
+from llmpipe.local.redis_server import free_port
 from tests.stacks import teardown
 
 BACKLOG = 48
@@ -19,7 +19,7 @@ BACKLOG = 48
 
 @pytest.fixture(scope="module")
 def lanes_pipeline(tmp_path_factory, redis_server, tiny_model):
-    from llmpipe.local import LocalPipeline
+    from llmpipe.local.pipeline import LocalPipeline
     from llmpipe.settings import Settings
 
     redis.Redis.from_url(redis_server.url).flushdb()

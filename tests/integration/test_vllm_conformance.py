@@ -2,7 +2,7 @@
 temperature 0, answer the same. Token ids, text, logprobs (to 1e-4), finish and stop
 reasons, usage, the error shapes of bad fields, and the endpoints vLLM's clients probe.
 
-Both servers start here: ``python -m llmpipe.vllm_cli serve`` (vLLM's own OpenAI server)
+Both servers start here: ``python -m llmpipe.cli.vllm serve`` (vLLM's own OpenAI server)
 and an llmpipe pipeline with the vllm engine, with the same max_model_len and seed."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from llmpipe.redis_server import free_port
+from llmpipe.local.redis_server import free_port
 from tests.stacks import teardown
 
 pytestmark = pytest.mark.integration
@@ -34,13 +34,13 @@ def servers(tmp_path_factory, redis_server, tiny_model, pipeline_starter):
     """(llmpipe URL, vllm serve URL), each started once for the module."""
     import redis
 
-    from llmpipe.supervisor import Supervisor, python_env
+    from llmpipe.local.supervisor import Supervisor, python_env
 
     tmp = tmp_path_factory.mktemp("conformance")
     port = free_port()
     sup = Supervisor(tmp / "vllm-logs", echo=False)
     # vLLM's server, through the version shim (issue 15, item 5: it must start this way).
-    sup.spawn("vllm-serve", [sys.executable, "-m", "llmpipe.vllm_cli", "serve", tiny_model, "--port", str(port),
+    sup.spawn("vllm-serve", [sys.executable, "-m", "llmpipe.cli.vllm", "serve", tiny_model, "--port", str(port),
                              "--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--seed", "0",
                              "--max-model-len", str(MAX_LEN), "--max-num-seqs", "16"],
               python_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",

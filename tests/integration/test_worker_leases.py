@@ -18,7 +18,7 @@ import pytest
 import redis
 from celery import Celery
 
-from llmpipe.leases import LEASES_KEY, lease_tags_key
+from llmpipe.broker.leases import LEASES_KEY, lease_tags_key
 from llmpipe.settings import Settings
 from tests.waiting import wait_until
 
@@ -89,7 +89,7 @@ def workers(redis_url, redis_client, tmp_path):
 @pytest.fixture
 def sender(redis_url):
     app = Celery("leasetest-client", broker=redis_url, backend=redis_url)
-    app.conf.update(broker_transport="llmpipe.redis_transport:Transport", task_serializer="json",
+    app.conf.update(broker_transport="llmpipe.broker.redis_transport:Transport", task_serializer="json",
                     accept_content=["json"], task_routes={"leasetest.hold": {"queue": "leasetest"}})
     yield app
     app.close()

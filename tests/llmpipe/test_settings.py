@@ -79,7 +79,7 @@ def captured(monkeypatch):
         calls.append((s, kw))
         return 0
 
-    monkeypatch.setattr("llmpipe.up.run_up", fake_run_up)
+    monkeypatch.setattr("llmpipe.local.up.run_up", fake_run_up)
     monkeypatch.setenv("LLMPIPE_CONFIG", "")  # restored after the test; --config sets it
     return calls
 

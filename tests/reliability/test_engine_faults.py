@@ -1,7 +1,7 @@
 """Faults inside the engine or in the input while every process stays up: batch isolation,
 retries, dead letters, an exception in the batch body, and hostile messages. Real Redis, real
 Celery workers, the transformers engine on the tiny model wrapped by the test-only fault
-injector (llmpipe/engines/faulty.py). The process faults (kill -9, SIGTERM, engine death)
+injector (llmpipe/testing/faulty.py). The process faults (kill -9, SIGTERM, engine death)
 are in test_worker_faults.py.
 
 Sampling is random (temperature 1, no seed) on purpose: a request the engine ran twice
@@ -76,7 +76,7 @@ def test_transient_error_that_never_clears_fails_the_request_and_is_dead_lettere
     assert view["status"] == "failed"
     err = view["result"]["results"][0]["error"]
     assert err["reason"] == "engine_error" and "out of memory" in err["message"]
-    out = subprocess.run([sys.executable, "-m", "llmpipe.deadletter", "--redis-url", pipe.s.redis_url, "--json"],
+    out = subprocess.run([sys.executable, "-m", "llmpipe.jobs.deadletter", "--redis-url", pipe.s.redis_url, "--json"],
                          capture_output=True, text=True, timeout=60)
     entries = [json.loads(line) for line in out.stdout.splitlines()]
     assert any(e.get("request_id") == f"{job}-0" and "out of memory" in e["message"] for e in entries), out.stdout

@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 JOBS = 40
 # Holds that keep the work in the stage about to be killed, released when the test clears
-# them at the kill (llmpipe/engines/faulty.py). They are long because the steps between the
+# them at the kill (llmpipe/testing/faulty.py). They are long because the steps between the
 # first held batch or task and the kill take seconds on RabbitMQ (two rabbitmqctl calls);
 # with a 2 s sleep the batches had finished by the kill. No engine run may finish before
 # the worker dies (checked below).

@@ -11,15 +11,15 @@ import time
 
 import pytest
 
-from llmpipe.deadletter import DeadLetters
 from llmpipe.engines.base import EngineRequest
-from llmpipe.engines.faulty import DONE_KEY, STARTED_KEY, FaultInjectingEngine, FaultSpec
 from llmpipe.engines.noop import NoopEngine
 from llmpipe.errors import EngineDeadError, EngineError
-from llmpipe.idempotency import Outcome, StageMemo, memo_key
-from llmpipe.jobs import JobStore
+from llmpipe.jobs.deadletter import DeadLetters
+from llmpipe.jobs.memo import Outcome, StageMemo, memo_key
+from llmpipe.jobs.store import JobStore
+from llmpipe.jobs.watchdog import INDEX_KEY, Watchdog, WatchdogLoop, index_job
 from llmpipe.messages import ChatMessage, JobStatus, PromptRequest, SamplingParams, TokenizedRequest
-from llmpipe.watchdog import INDEX_KEY, Watchdog, WatchdogLoop, index_job
+from llmpipe.testing.faulty import DONE_KEY, STARTED_KEY, FaultInjectingEngine, FaultSpec
 
 
 def _dead_redis():
@@ -164,7 +164,7 @@ def test_dead_letter_remove_and_purge(redis_client):
 def test_dead_letter_cli_lists_entries(redis_client, redis_url):
     DeadLetters(redis_client).record(stage="inference", reason="engine_error", message="CUDA out of memory",
                                      job_id="j9", request_id="j9-0")
-    out = subprocess.run([sys.executable, "-m", "llmpipe.deadletter", "--redis-url", redis_url, "--json"],
+    out = subprocess.run([sys.executable, "-m", "llmpipe.jobs.deadletter", "--redis-url", redis_url, "--json"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     entries = [json.loads(line) for line in out.stdout.splitlines()]

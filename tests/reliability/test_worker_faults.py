@@ -1,7 +1,7 @@
 """Workers that fail: kill -9, SIGTERM, engine death, a request that kills every worker, a
 worker that never comes back, and one stalled past its lease. Real Redis, real Celery workers,
 the transformers engine on the tiny model wrapped by the test-only fault injector
-(llmpipe/engines/faulty.py), on the shipped lease and visibility settings: a killed
+(llmpipe/testing/faulty.py), on the shipped lease and visibility settings: a killed
 worker's messages come back within lease_ttl_s + lease_sweep_interval_s (5 s). The faults
 inside the engine or in the input are in test_engine_faults.py.
 
@@ -276,7 +276,7 @@ def test_a_stalled_inference_worker_past_its_lease_gives_no_job_a_second_result(
     job, then SIGCONT. The stalled worker finishes its batch late; its results lose to the
     stored ones (StageMemo's first write wins), its acks are ignored (its lease no longer
     holds the messages), and no job record or job result changes."""
-    from llmpipe.leases import LEASES_KEY
+    from llmpipe.broker.leases import LEASES_KEY
 
     pipe.reset_ledger()
     watch = rel.ResultWatch(pipe.s.redis_url)

@@ -11,8 +11,8 @@ from celery import chain
 
 import workers.context
 from llmpipe.celery_app import app
-from llmpipe.idempotency import memo_key
-from llmpipe.jobs import JobStore
+from llmpipe.jobs.memo import memo_key
+from llmpipe.jobs.store import JobStore
 from llmpipe.messages import FinishReason, Generation, JobStatus, StageTiming
 from llmpipe.settings import Settings
 
@@ -24,7 +24,7 @@ def _sigs(n: int):
 
 
 def test_one_prompt_is_its_chain_with_postprocess_collecting_and_several_are_a_chord():
-    from api.jobs import chord
+    from api.jobs.service import chord
 
     header, body = _sigs(1)
     single = chord(header, body)

@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-from llmpipe.lanes import batch_lane_slots
+from llmpipe.jobs.lanes import batch_lane_slots
 from llmpipe.settings import Settings
 from workers.context import engine_running_slots
 

@@ -38,7 +38,7 @@ def test_celery_command_is_worker_argv_as_typed(defaults):
 
 
 def test_llmpipe_worker_print_shows_the_line(defaults):
-    from llmpipe.supervisor import python_env
+    from llmpipe.local.supervisor import python_env
 
     out = subprocess.run([sys.executable, "-m", "llmpipe.cli", "worker", "inference", "--print", "-c", "7"],
                          env=python_env({}), cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)

@@ -118,7 +118,7 @@ def test_serves_follows_the_kind_variable_outside_a_worker(monkeypatch):
 
 
 def _celery_worker(*args: str, **env: str) -> subprocess.CompletedProcess:
-    from llmpipe.supervisor import python_env
+    from llmpipe.local.supervisor import python_env
 
     e = python_env({"LLMPIPE_REDIS_URL": "redis://127.0.0.1:1/0", **env})  # nothing listens there
     e.pop("LLMPIPE_WORKER_KIND", None)

@@ -2,7 +2,7 @@
 
 import json
 
-from llmpipe.lanes import queue_keys
+from llmpipe.jobs.lanes import queue_keys
 from workers.context import _queue_probe
 
 

@@ -3,7 +3,7 @@ ratios to the floor of the same run. No processes: argv and result shapes only."
 
 from __future__ import annotations
 
-from llmpipe.bench.compare import figures, table
+from benchmarks.cost.compare import figures, table
 from llmpipe.bench.floor import QUEUES, app, floor_worker_argv
 from llmpipe.bench.targets import floor_targets
 from llmpipe.settings import Settings

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from llmpipe.hosts import netns
-from llmpipe.supervisor import alive
+from llmpipe.local.supervisor import alive
+from llmpipe.testing.hosts import netns
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(netns.available() is not None, reason=str(netns.available()))]

@@ -28,8 +28,8 @@ def hf_engine(tiny_model):
 @pytest.fixture(scope="session")
 def vllm_engine(tiny_model):
     pytest.importorskip("vllm")
-    from llmpipe.engines.vllm_engine import VllmEngine
     from llmpipe.engines.base import EngineRequest
+    from llmpipe.engines.vllm_engine import VllmEngine
     from llmpipe.errors import EngineDeadError
     from llmpipe.messages import SamplingParams
 

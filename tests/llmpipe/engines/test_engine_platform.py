@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from llmpipe.engines.platform import ENGINE_ARG, SETTING, Platform, describe_config, engine_config
 from llmpipe.engines.vllm_args import EngineArgError, convert_engine_args, parse_pairs
-from llmpipe.local import settings_env
+from llmpipe.local.pipeline import settings_env
 from llmpipe.settings import EngineKind, Settings
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -51,7 +51,7 @@ def test_cuda_defaults_for_vllm():
     assert cfg.args["gpu_memory_utilization"] == 0.9
     assert "max_num_seqs" not in cfg.args  # vLLM's own default, not the dispatch batch
     assert "max_model_len" not in cfg.args
-    assert cfg.sources["dtype"] == "default on cuda"
+    assert cfg.sources["dtype"] == "vLLM's own default on cuda, as `vllm serve`"
     # vLLM loads the tokenizer for grammars only; ids still go in and come out (vllm_args.py).
     assert cfg.fixed == {"model": "smollm2", "skip_tokenizer_init": False}
 
@@ -59,15 +59,19 @@ def test_cuda_defaults_for_vllm():
 def test_several_models_share_the_gpus_default_memory_unless_it_is_set():
     cfg = _vllm(Platform.CUDA, models=["smollm2", "tiny"])
     assert cfg.args["gpu_memory_utilization"] == 0.45  # both engines fit on the one GPU of `llmpipe up`
-    assert cfg.sources["gpu_memory_utilization"] == "default on cuda, shared by 2 models"
+    assert cfg.sources["gpu_memory_utilization"] == "vLLM's own default on cuda, as `vllm serve`, shared by 2 models"
     assert _vllm(Platform.CUDA, models=["smollm2", "tiny"], gpu_memory_utilization=0.8).args["gpu_memory_utilization"] == 0.8
-    assert _vllm(Platform.CPU, models=["smollm2", "tiny"]).args["gpu_memory_utilization"] == 0.85
+    assert "gpu_memory_utilization" not in _vllm(Platform.CPU, models=["smollm2", "tiny"]).args  # no GPU memory to share
 
 
-def test_cpu_defaults_for_vllm_are_the_tested_ones():
+def test_cpu_defaults_for_vllm_are_vllms_own():
+    # What `vllm serve MODEL` picks on the CPU: the checkpoint's dtype (vLLM takes bf16 for a
+    # float32 one), torch.compile, its own max_num_seqs; the dispatch batch caps nothing.
     cfg = _vllm(Platform.CPU, max_batch_size=12)
-    assert cfg.args == {"dtype": "float32", "enforce_eager": True, "gpu_memory_utilization": 0.85, "max_num_seqs": 12,
-                        "scheduling_policy": "priority", "max_logprobs": 20}
+    assert cfg.args == {"dtype": "auto", "enforce_eager": False, "scheduling_policy": "priority", "max_logprobs": 20}
+    assert cfg.sources["dtype"] == cfg.sources["enforce_eager"] == "vLLM's own default on cpu, as `vllm serve`"
+    assert cfg.sources["max_num_seqs"] == "vLLM's own default on cpu, as `vllm serve`"
+    assert cfg.sources["scheduling_policy"].startswith("llmpipe's: priority lanes need it")
 
 
 def test_settings_win_over_the_platform():
@@ -184,8 +188,8 @@ def test_print_config_shows_the_platform_and_each_source():
     text = describe_config(Settings(engine=EngineKind.VLLM, engine_args={"tensor_parallel_size": "2"}, api_keys="k1"),
                            Platform.CUDA)
     assert "# engine vllm on platform cuda (given)" in text
-    assert re.search(r'^dtype += "auto"  # default on cuda$', text, re.M)
-    assert re.search(r"^enforce_eager += false  # default on cuda$", text, re.M)
+    assert re.search(r'^dtype += "auto"  # vLLM\'s own default on cuda, as `vllm serve`$', text, re.M)
+    assert re.search(r"^enforce_eager += false  # vLLM's own default on cuda, as `vllm serve`$", text, re.M)
     assert re.search(r"^max_num_seqs += \(unset\)  # vLLM's own default", text, re.M)
     assert re.search(r"^skip_tokenizer_init += false  # pipeline \(fixed\)$", text, re.M)
     assert 'api_keys = "***"' in text and "k1" not in text

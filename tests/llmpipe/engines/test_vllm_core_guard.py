@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from llmpipe.supervisor import alive, descendants
+from llmpipe.local.supervisor import alive, descendants
+from tests.stacks import TEST_ENGINE_ENV
 
 pytestmark = pytest.mark.integration
 
@@ -42,6 +43,7 @@ def _wait(pred, timeout: float, what: str, proc: subprocess.Popen | None = None,
 def test_engine_core_dies_with_a_killed_worker(tmp_path, redis_url, tiny_model):
     pytest.importorskip("vllm")
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMPIPE_")}
+    env.update(TEST_ENGINE_ENV)
     env.update({
         "PYTHONPATH": str(ROOT), "LLMPIPE_REDIS_URL": redis_url, "LLMPIPE_MODEL": tiny_model,
         "LLMPIPE_ENGINE": "vllm", "LLMPIPE_STATE_DIR": str(tmp_path), "LLMPIPE_KV_CACHE_GIB": "1",

@@ -240,7 +240,7 @@ def test_failed_start_raises_engine_error_and_stops_its_thread(tmp_path):
 
 
 def test_requests_carry_their_priority_into_a_priority_scheduler(vllm_engine):
-    # vLLM refuses a non-zero priority unless scheduling_policy is "priority" (llmpipe/lanes.py)
+    # vLLM refuses a non-zero priority unless scheduling_policy is "priority" (llmpipe/jobs/lanes.py)
     assert vllm_engine._args.scheduling_policy == "priority"
     outs = vllm_engine.generate([EngineRequest("p-batch", PROMPTS[1], greedy(4), priority=10),
                                  EngineRequest("p-inter", PROMPTS[1], greedy(4), priority=-3)])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmpipe.admission import stage_queues
 from llmpipe.errors import ModelNotFoundError
+from llmpipe.jobs.admission import stage_queues
 from llmpipe.messages import ErrorReason
 from llmpipe.models.served import ModelSet, ModelSpecError, model_of_queue, parse_spec, stage_of
 from llmpipe.settings import Settings
@@ -132,7 +132,7 @@ def test_up_takes_several_models_from_repeated_flags(monkeypatch):
     from llmpipe import cli
 
     seen = {}
-    monkeypatch.setattr("llmpipe.up.run_up", lambda s, **kw: seen.setdefault("s", s) and 0)
+    monkeypatch.setattr("llmpipe.local.up.run_up", lambda s, **kw: seen.setdefault("s", s) and 0)
     result = CliRunner().invoke(cli.main, ["up", "--model", "smollm2", "--model", "t2=/cache/tiny-seed1"])
     assert result.exit_code == 0, result.output
     assert seen["s"].served.names == ["smollm2", "t2"] and seen["s"].model == "smollm2"

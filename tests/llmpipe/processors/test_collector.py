@@ -54,7 +54,7 @@ def test_one_info_line_per_job_with_counts_and_stage_times_but_no_text(caplog):
 def test_collecting_writes_the_result_to_the_record_even_when_clean_ups_fail(redis_client):
     import redis
 
-    from llmpipe.jobs import JobStore
+    from llmpipe.jobs.store import JobStore
     from llmpipe.processors.collector import JobCollector
 
     store = JobStore(redis_client, 60)
@@ -75,7 +75,7 @@ def test_collecting_writes_the_result_to_the_record_even_when_clean_ups_fail(red
 def test_collecting_retries_the_record_write_through_a_blip(redis_client):
     import redis
 
-    from llmpipe.jobs import JobStore
+    from llmpipe.jobs.store import JobStore
     from llmpipe.processors.collector import JobCollector
 
     store = JobStore(redis_client, 60)
@@ -96,7 +96,7 @@ def test_collecting_retries_the_record_write_through_a_blip(redis_client):
 
 
 def test_a_failed_prompt_is_recorded_with_its_error_type(redis_client):
-    from llmpipe.jobs import JobStore
+    from llmpipe.jobs.store import JobStore
     from llmpipe.processors.collector import JobCollector
 
     store = JobStore(redis_client, 60)

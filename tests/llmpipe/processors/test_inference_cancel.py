@@ -1,4 +1,4 @@
-"""InferenceProcessor's side of cancellation (llmpipe/cancel.py reports a cancelled job by
+"""InferenceProcessor's side of cancellation (llmpipe/jobs/cancel.py reports a cancelled job by
 broadcast and by the flag sweep; the processor aborts its requests in the engine once)."""
 
 import threading
@@ -36,7 +36,7 @@ class HeldEngine(Engine):
 
 
 def test_a_job_reported_cancelled_twice_is_aborted_once_and_leaves_the_running_list():
-    # The cancel broadcast and the flag sweep (llmpipe/cancel.py) both report a job.
+    # The cancel broadcast and the flag sweep (llmpipe/jobs/cancel.py) both report a job.
     eng = HeldEngine()
     p = InferenceProcessor(eng, window_s=0.0, max_size=4, company_expected=lambda: False, clock=lambda: 1000.0)
     out = {}

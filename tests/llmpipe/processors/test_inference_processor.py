@@ -7,7 +7,13 @@ import pytest
 from llmpipe.engines.base import Engine, EngineOutput
 from llmpipe.errors import EngineError
 from llmpipe.messages import (
-    ErrorReason, FinishReason, Logprob, SamplingParams, Stage, StructuredOutput, TokenizedRequest,
+    ErrorReason,
+    FinishReason,
+    Logprob,
+    SamplingParams,
+    Stage,
+    StructuredOutput,
+    TokenizedRequest,
 )
 from llmpipe.processors.inference_processor import InferenceProcessor
 
@@ -311,8 +317,8 @@ def test_a_redis_outage_during_a_batch_neither_fails_nor_wedges_it():
     # Every Redis call of the inference path fails: the cancellation lookup before the
     # engine, the token stream, the published ids of a resumed request. The batch still
     # runs, every request gets its generation, and nothing is left waiting on a future.
-    from llmpipe import cancel
-    from llmpipe.streaming import TokenPublisher, read_published
+    from llmpipe.jobs import cancel
+    from llmpipe.jobs.streaming import TokenPublisher, read_published
 
     r = DownRedis()
     pub = TokenPublisher(r, flush_s=3600)  # flushes only when a request finishes

@@ -16,7 +16,7 @@ FAULTS = {
     "ledger": True,
 }
 # The shipped defaults (never overridden here): a dead worker's messages are back in the
-# queue within RECOVERY_S of its death (llmpipe/leases.py).
+# queue within RECOVERY_S of its death (llmpipe/broker/leases.py).
 LEASE_TTL_S = Settings.model_fields["lease_ttl_s"].default
 LEASE_SWEEP_S = Settings.model_fields["lease_sweep_interval_s"].default
 RECOVERY_S = LEASE_TTL_S + LEASE_SWEEP_S

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+
 @pytest.fixture(scope="module")
 def pipe(rel, tmp_path_factory, tiny_model, broker_url):
     # The limits keep the fuzzed requests cheap for the tiny model on 2 cores: the OpenAPI

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+
 def fuzz(schema, *, examples: int, include=lambda op: True, **call_kwargs) -> tuple[list[str], dict]:
     """Property-based requests from the API's own OpenAPI spec (schemathesis), valid and
     invalid ones; returns the failures (a 5xx, or a traceback in a body) and the codes seen."""

@@ -13,9 +13,10 @@ import httpx
 import psutil
 import redis
 
-from llmpipe.redis_server import EmbeddedRedis, free_port
+from llmpipe.local.redis_server import EmbeddedRedis, free_port
 from llmpipe.settings import Settings
-from tests.stacks import teardown
+from llmpipe.testing import faulty
+from tests.stacks import TEST_ENGINE, teardown
 
 
 class Pipe:
@@ -143,17 +144,17 @@ class Pipe:
 
     # -- fault injection and ledgers --------------------------------------------------
     def set_delay(self, name: str, seconds: float) -> None:
-        from llmpipe.engines.faulty import DELAYS_KEY
+        from llmpipe.testing.faulty import DELAYS_KEY
 
         self.r.hset(DELAYS_KEY, name, seconds)
 
     def clear_delays(self) -> None:
-        from llmpipe.engines.faulty import DELAYS_KEY
+        from llmpipe.testing.faulty import DELAYS_KEY
 
         self.r.delete(DELAYS_KEY)
 
     def ledger(self) -> tuple[dict[str, int], dict[str, int]]:
-        from llmpipe.engines.faulty import DONE_KEY, STARTED_KEY
+        from llmpipe.testing.faulty import DONE_KEY, STARTED_KEY
 
         def load(k):
             return {a.decode(): int(b) for a, b in self.r.hgetall(k).items()}
@@ -161,7 +162,7 @@ class Pipe:
         return load(STARTED_KEY), load(DONE_KEY)
 
     def reset_ledger(self) -> None:
-        from llmpipe.engines.faulty import DIED_KEY, DONE_KEY, STARTED_KEY
+        from llmpipe.testing.faulty import DIED_KEY, DONE_KEY, STARTED_KEY
 
         self.r.delete(STARTED_KEY, DONE_KEY, DIED_KEY)
 
@@ -184,11 +185,11 @@ class Pipe:
             self._released = {q: self.queue_state(q)[1] for q in (KINDS[kind].queues if kind in KINDS else ())}
 
     def lease(self, kind: str) -> str:
-        """The lease of a worker's main process (llmpipe/leases.py). RabbitMQ has no leases:
+        """The lease of a worker's main process (llmpipe/broker/leases.py). RabbitMQ has no leases:
         the worker's consumers stand for it (see expect_death, called by kill)."""
         if self.amqp is not None:
             return f"amqp:{kind}"
-        from llmpipe.leases import LEASES_KEY
+        from llmpipe.broker.leases import LEASES_KEY
 
         pid = str(self.pid(kind))
         return next(x.decode() for x in self.r.zrange(LEASES_KEY, 0, -1) if x.decode().split(":")[1] == pid)
@@ -198,7 +199,7 @@ class Pipe:
         RabbitMQ: the broker dropped the dead worker's consumers, requeueing what they held."""
         if self.amqp is not None:
             return self.unacked_before(float("inf")) == 0
-        from llmpipe.leases import LEASES_KEY
+        from llmpipe.broker.leases import LEASES_KEY
 
         return self.r.zscore(LEASES_KEY, lease) is None
 
@@ -207,7 +208,7 @@ class Pipe:
         messages of the channels consuming its queues. Asked of the channel processes
         (list_channels), which answer live; queue stats (list_queues) lag by up to 5 s."""
         if self.amqp is None:
-            from llmpipe.leases import lease_tags_key
+            from llmpipe.broker.leases import lease_tags_key
 
             return int(self.r.hlen(lease_tags_key(lease)))
         from urllib.parse import unquote, urlsplit
@@ -246,7 +247,7 @@ class Pipe:
     def held(self) -> list[tuple]:
         """What is unacked now: (task, age s, holder lease, whether that lease is live), for
         a failure message."""
-        from llmpipe.leases import HOLDER_KEY, LEASES_KEY
+        from llmpipe.broker.leases import HOLDER_KEY, LEASES_KEY
 
         out = []
         now = time.time()
@@ -277,7 +278,7 @@ class Pipe:
 
 def start_pipe(tmp_path: Path, *, engine: str = "transformers", model: str, faults: dict | None = None,
                redis_appendonly: bool = False, ready_timeout: float = 180, **overrides) -> Pipe:
-    from llmpipe.local import LocalPipeline
+    from llmpipe.local.pipeline import LocalPipeline
 
     server = EmbeddedRedis(tmp_path / "redis", appendonly=redis_appendonly).start()
     base = dict(
@@ -285,11 +286,12 @@ def start_pipe(tmp_path: Path, *, engine: str = "transformers", model: str, faul
         flower_port=free_port(), cpu_workers=1, max_batch_size=8, batch_window_ms=50, kv_cache_gib=1,
         watchdog_interval_s=0.5, watchdog_grace_s=1.0, default_timeout_s=90,
     )
+    base.update(TEST_ENGINE)
     base.update(overrides)
     s = Settings(**base)
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if faults:
-        env["LLMPIPE_FAULT_INJECT"] = json.dumps(faults)
+        env.update(faulty.env(faults))
     lp = LocalPipeline(s, flower=False, extra_env=env).start()
     try:
         lp.wait_ready(timeout=ready_timeout)

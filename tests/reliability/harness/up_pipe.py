@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import httpx
 import psutil
 
-from llmpipe.redis_server import EmbeddedRedis, free_port
+from llmpipe.local.redis_server import EmbeddedRedis, free_port
 from llmpipe.settings import Settings
-
+from llmpipe.testing import faulty
 from tests.reliability.harness.common import wait_until
 from tests.reliability.harness.pipe import Pipe
 
@@ -104,7 +104,7 @@ def start_up(tmp_path: Path, *, model: str, engine: str = "vllm", broker_url: st
     server = EmbeddedRedis(tmp_path / "redis", appendonly=False).start()
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMPIPE_") and k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env["LLMPIPE_FAULT_INJECT"] = json.dumps({"ledger": True})
+    env.update(faulty.env({"ledger": True}))
     if broker_url:
         env["LLMPIPE_BROKER_URL"] = broker_url
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[3])

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING
 import psutil
 import redis
 
-
 if TYPE_CHECKING:
     from tests.reliability.harness.pipe import Pipe
 

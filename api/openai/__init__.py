@@ -1,0 +1,1 @@
+"""The OpenAI-compatible surface (``/v1/completions``, ``/v1/chat/completions``) on the job pipeline."""

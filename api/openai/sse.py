@@ -1,0 +1,193 @@
+"""Server-sent events for ``stream: true``: token deltas from the job's Redis stream.
+
+The text sent is always a prefix of the final text: what the inference worker publishes is
+never taken back (a request that runs again resumes from it), and the last chunk completes
+the text from the job's result. A client that disconnects has its job cancelled
+(:class:`JobStream`), and the engine aborts its requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+
+import anyio
+import redis.asyncio as aioredis
+from starlette.concurrency import run_in_threadpool
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from api.detok import Detokenizer, IncrementalText
+from api.errors import error_event
+from api.jobs.protocol import JobView
+from api.jobs.service import JobService
+from api.waiter import JobWaiter
+from llmpipe.jobs.streaming import PromptInfo, apply_entries, is_end, stream_key
+from llmpipe.messages import ErrorReason, JobStatus
+
+log = logging.getLogger("llmpipe.api")
+
+FALLBACK_S = 1.0  # a silent stream's record is read this often (the end marker wakes it first)
+
+# chunk(index, text_delta, finish_reason) -> the OpenAI chunk object for one choice
+ChunkFn = Callable[[int, str, str | None], dict]
+
+
+def sse(obj: dict | str) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+class _Choice:
+    """Streamed text of one choice, cut at the first stop string. Holds back as many
+    characters as the longest stop string, less one, so a stop is never half sent."""
+
+    def __init__(self, inc: IncrementalText, stops: list[str]):
+        self.inc = inc
+        self.stops = [s for s in stops if s]
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""  # all text decoded so far
+        self.sent = 0
+        self.stopped = False
+
+    def push(self, ids: list[int]) -> str:
+        if self.stopped:
+            return ""
+        self.text += self.inc.push(ids)
+        cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            upto = cut
+        else:
+            upto = max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:upto], upto
+        return out
+
+    def rest(self, final_text: str) -> str:
+        """What the final result adds beyond what was sent."""
+        if final_text.startswith(self.text[: self.sent]) and len(final_text) > self.sent:
+            out = final_text[self.sent:]
+            self.sent = len(final_text)
+            return out
+        return ""
+
+
+async def stream_job(
+    *, job_id: str, n_choices: int, stops: list[str], service: JobService, waiter: JobWaiter,
+    aredis: aioredis.Redis, detok: Detokenizer, chunk: ChunkFn, first: list[dict], usage_chunk: Callable[[JobView], dict] | None,
+    deadline: float, continuous_usage: bool = False, stop_ids: Iterable[int] = (),
+) -> AsyncIterator[bytes]:
+    """``continuous_usage``: vLLM's ``stream_options.continuous_usage_stats``, every chunk
+    carries the usage so far. ``stop_ids``: the request's stop_token_ids, whose text is
+    not part of the output (as vLLM)."""
+    # The first call reads a file: off the event loop, while the stream is already read.
+    loading = asyncio.ensure_future(run_in_threadpool(detok.tokenizer))
+    stop_ids = frozenset(stop_ids)
+    choices: dict[int, _Choice] = {}
+    ids: dict[int, list[int]] = {}
+    prompts: dict[int, PromptInfo] = {}
+    last = "0-0"
+
+    async def choice(i: int) -> _Choice:
+        # Made at its first entry, which says after which prompt ids to decode.
+        if i not in choices:
+            tail = prompts[i].tail if i in prompts else []
+            choices[i] = _Choice(IncrementalText(await loading, tail, stop_ids), stops)
+        return choices[i]
+
+    def with_usage(obj: dict, i: int, prompt: int | None = None, completion: int | None = None) -> dict:
+        if continuous_usage:
+            p = (prompts[i].tokens if i in prompts else 0) if prompt is None else prompt
+            c = len(ids.get(i, [])) if completion is None else completion
+            obj["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return obj
+
+    for obj in first:
+        yield sse(obj)
+    # The job's terminal move appends an end marker to its stream (llmpipe/jobs/store.py), after
+    # every token published before the end: one blocking read wakes at each new entry and
+    # at the end, with nothing to poll. The record is read when the marker came and, as a
+    # safety net, when the stream stayed silent for FALLBACK_S or the waiter woke (its
+    # reconnects; a record that ended without a marker).
+    async with waiter.watch(job_id) as woken:
+        view: JobView | None = None
+        ended = False
+        while True:
+            wait_ms = max(1, int(min(FALLBACK_S, deadline + 5 - time.time()) * 1000))
+            resp = await aredis.xread({stream_key(job_id): last}, count=256, block=None if ended else wait_ms)
+            marked = False
+            for _, entries in resp or []:
+                last = entries[-1][0]
+                marked = marked or any(is_end(f) for _, f in entries)
+                for i, new in apply_entries(entries, ids, prompts).items():
+                    if i < n_choices:
+                        delta = (await choice(i)).push(new)
+                        if delta:
+                            yield sse(with_usage(chunk(i, delta, None), i))
+            if ended and not resp:
+                break  # every token published before the end has been sent
+            if marked or not resp or woken.is_set():
+                woken.clear()
+                view = await run_in_threadpool(service.view, job_id, False)
+                if view.status.terminal and marked:
+                    break  # the marker follows every token published before the end
+                ended = view.status.terminal  # (no marker: one more read drains the stream)
+            if not ended and time.time() > deadline + 5:
+                break  # nothing ended the job; it is settled expired below
+    if view is None:
+        view = await run_in_threadpool(service.view, job_id, False)
+    if not view.status.terminal:  # (an ended record never changes: no need to read it again)
+        await run_in_threadpool(service.expire, job_id, "the job did not finish by its deadline")
+        view = await run_in_threadpool(service.view, job_id, False)
+    if view.status == JobStatus.SUCCEEDED and view.result is not None:
+        for r in view.result.results:
+            tail = (await choice(r.index)).rest(r.text)
+            yield sse(with_usage(chunk(r.index, tail, r.finish_reason.value), r.index, r.prompt_tokens,
+                                 r.completion_tokens))
+        if usage_chunk is not None:
+            yield sse(usage_chunk(view))
+    else:
+        err = view.error
+        reason = err.type if err else ErrorReason.EXPIRED if view.status == JobStatus.EXPIRED else ErrorReason.INTERNAL
+        yield sse(error_event(reason, err.message if err else f"job {view.status.value}", err.param if err else None))
+    yield sse("[DONE]")
+
+
+class JobStream(StreamingResponse):
+    """An SSE response that cancels its job when the client goes away before the end.
+
+    Starlette cancels the response's task when it sees ``http.disconnect``, so cleanup in
+    the generator would run inside a cancelled scope and never finish (the old defect).
+    Here it runs after the response, shielded: the generator is closed (its watch ends) and,
+    unless it reached ``[DONE]``, ``on_abandon`` cancels the job."""
+
+    def __init__(self, content: AsyncIterator[bytes], *, on_abandon: Callable[[], None], **kwargs):
+        self._inner = content
+        self._on_abandon = on_abandon
+        self.completed = False
+        super().__init__(self._tracked(), **kwargs)
+
+    async def _tracked(self) -> AsyncIterator[bytes]:
+        try:
+            async for part in self._inner:
+                yield part
+            self.completed = True
+        finally:
+            await self._inner.aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.move_on_after(10, shield=True):
+                try:
+                    await self.body_iterator.aclose()
+                except Exception:
+                    log.debug("closing an SSE generator failed", exc_info=True)
+                if not self.completed:
+                    try:
+                        await run_in_threadpool(self._on_abandon)
+                    except Exception:
+                        log.warning("could not cancel a job after its client disconnected", exc_info=True)

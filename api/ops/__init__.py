@@ -1,0 +1,1 @@
+"""Operator endpoints: ``/healthz``, ``/metrics`` and the dead-letter record."""

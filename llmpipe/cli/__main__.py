@@ -1,0 +1,5 @@
+"""``python -m llmpipe.cli``: the ``llmpipe`` command."""
+
+from llmpipe.cli.commands import main
+
+main()

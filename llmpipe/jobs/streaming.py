@@ -1,0 +1,195 @@
+"""Partial output from the GPU worker to the API, through one Redis stream per job.
+
+The engine calls ``on_tokens`` from its own thread for every step; that must stay cheap,
+so the publisher only records the newest ids and a background thread writes the deltas
+in one pipelined round trip per flush. Streaming requests flush every ``flush_s``; the
+others every ``partial_every_s``, which is enough for ``GET /v1/jobs/{id}`` to show the
+text produced so far.
+
+Entry fields: ``i`` prompt index, ``o`` offset of the first id in ``d``, ``d`` the new
+token ids as JSON. A streaming job's last entry is its end marker, ``e`` (the job's terminal
+status), written by the job record's terminal move (llmpipe/jobs/store.py): the SSE reader blocks
+on the stream and wakes at it, without polling. Streaming requests' entries also carry ``p``, the prompt's length in
+tokens (the usage on every chunk), and ``t``, the prompt's last ids as JSON (the API decodes
+after them, as postprocess does). Offsets make a replayed entry idempotent to readers.
+
+What is published is never taken back: a request that is run again (a batch split after an
+engine error, a message redelivered after a crash) resumes from the ids already published
+for it (``register(prefix=...)``, :func:`read_published`), so the stream always stays a
+prefix of the final output (llmpipe/processors/inference_processor.py). A request that
+cannot resume exactly (it asked for log probabilities or a grammar) is not published
+unless it streams (llmpipe/processors/inference_processor.py says why).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+log = logging.getLogger("llmpipe.jobs.streaming")
+
+
+STREAM_TTL_S = 900  # a job's token stream outlives its last write by this long
+
+
+def stream_key(job_id: str) -> str:
+    return f"llmpipe:tokens:{job_id}"
+
+
+def is_end(fields: dict) -> bool:
+    """The entry that the job's terminal move appends to a streaming job's stream (llmpipe/jobs/store.py)."""
+    return b"e" in fields or "e" in fields
+
+
+@dataclass
+class _Tracked:
+    job_id: str
+    index: int
+    stream: bool
+    prompt_tokens: int | None = None
+    prompt_tail: list[int] | None = None
+    ids: list[int] = field(default_factory=list)
+    published: int = 0
+    last_flush: float = 0.0
+    done: bool = False
+
+
+class TokenPublisher:
+    def __init__(self, redis_client: Any, *, flush_s: float = 0.02, partial_every_s: float = 0.5,
+                 ttl_s: int = STREAM_TTL_S, maxlen: int = 100_000, clock=time.monotonic):
+        self.r = redis_client
+        self.flush_s = flush_s
+        self.partial_every_s = partial_every_s
+        self.ttl_s = ttl_s
+        self.maxlen = maxlen
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._tracked: dict[str, _Tracked] = {}
+        self._stop = threading.Event()
+        self._work = threading.Event()  # set by register: the loop sleeps while nothing is tracked
+        self._thread = threading.Thread(target=self._loop, name="llmpipe-token-publisher", daemon=True)
+        self._thread.start()
+
+    def register(self, request_id: str, job_id: str, index: int, stream: bool, prefix: list[int] | None = None, *,
+                 prompt_tokens: int | None = None, prompt_tail: list[int] | None = None) -> None:
+        """``prefix``: ids already published for this request (by an earlier delivery).
+        ``prompt_tokens``, ``prompt_tail``: what a streaming request's entries carry."""
+        prefix = list(prefix or [])
+        with self._lock:
+            self._tracked[request_id] = _Tracked(job_id, index, stream, prompt_tokens, prompt_tail, ids=prefix,
+                                                 published=len(prefix), last_flush=self._clock())
+        self._work.set()
+
+    def on_tokens(self, request_id: str, ids_so_far: list[int]) -> None:
+        t = self._tracked.get(request_id)
+        if t is not None:
+            t.ids = ids_so_far  # a reference swap: safe without the lock
+            if t.stream and not t.published:
+                self._work.set()  # a stream's first tokens go out at once (time to first token)
+
+    def finish(self, request_id: str, final_ids: list[int] | None = None) -> None:
+        with self._lock:
+            t = self._tracked.get(request_id)
+            if t is None:
+                return
+            if not t.stream:
+                # Nobody reads a request that does not stream from its end: its result
+                # follows at once, and a redelivery replays the stored result. What it
+                # published while it ran stays a prefix of the final output.
+                del self._tracked[request_id]
+                return
+            if final_ids is not None:
+                t.ids = final_ids
+            t.done = True
+        self.flush(force=True)
+
+    def flush(self, force: bool = False) -> int:
+        now = self._clock()
+        entries = []
+        with self._lock:
+            for rid, t in list(self._tracked.items()):
+                due = (force or t.done or (t.stream and not t.published)
+                       or now - t.last_flush >= (self.flush_s if t.stream else self.partial_every_s))
+                if due and len(t.ids) > t.published:
+                    fields = {"i": t.index, "o": t.published, "d": json.dumps(t.ids[t.published:])}
+                    if t.stream and t.prompt_tokens is not None:
+                        fields["p"] = t.prompt_tokens
+                    if t.stream and t.prompt_tail is not None:
+                        fields["t"] = json.dumps(t.prompt_tail)
+                    entries.append((t.job_id, fields))
+                    t.published = len(t.ids)
+                    t.last_flush = now
+                if t.done:
+                    del self._tracked[rid]
+        if not entries:
+            return 0
+        try:
+            pipe = self.r.pipeline(transaction=False)
+            for job_id, fields in entries:
+                key = stream_key(job_id)
+                pipe.xadd(key, fields, maxlen=self.maxlen, approximate=True)
+                pipe.expire(key, self.ttl_s)
+            pipe.execute()
+        except Exception:  # partial output is best effort; the result still comes via the chord
+            log.warning("could not publish partial output", exc_info=True)
+        return len(entries)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self._tracked:  # idle: no wake-up every flush_s
+                self._work.wait(1.0)
+                self._work.clear()
+                continue
+            # Every flush_s, or at once when a stream's first tokens came (on_tokens).
+            self._work.wait(self.flush_s)
+            self._work.clear()
+            self.flush()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._work.set()
+        self._thread.join(timeout=2)
+        self.flush(force=True)
+
+
+@dataclass
+class PromptInfo:
+    """What a streaming request's entries say about its prompt."""
+
+    tokens: int = 0
+    tail: list[int] = field(default_factory=list)
+
+
+def apply_entries(entries: list[tuple[Any, dict]], ids_by_index: dict[int, list[int]],
+                  prompts: dict[int, PromptInfo] | None = None) -> dict[int, list[int]]:
+    """Merge stream entries into ``ids_by_index``; returns the ids new to each index.
+    ``prompts`` (optional) collects each index's prompt length and tail, when entries carry them.
+
+    Entries carry their offset, so a replayed entry adds nothing."""
+    new: dict[int, list[int]] = {}
+    for _, fields in entries:
+        f = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in fields.items()}
+        if "i" not in f:
+            continue  # the job's end marker
+        i, off, delta = int(f["i"]), int(f["o"]), json.loads(f["d"])
+        if prompts is not None and i not in prompts and "p" in f:
+            prompts[i] = PromptInfo(int(f["p"]), json.loads(f["t"]) if "t" in f else [])
+        have = ids_by_index.setdefault(i, [])
+        if off > len(have):
+            continue  # a gap: wait for the entry that fills it
+        fresh = delta[len(have) - off:]
+        if fresh:
+            have.extend(fresh)
+            new.setdefault(i, []).extend(fresh)
+    return new
+
+
+def read_published(r: Any, job_id: str) -> dict[int, list[int]]:
+    """Every id published so far for the job, by prompt index (one XRANGE)."""
+    ids: dict[int, list[int]] = {}
+    apply_entries(r.xrange(stream_key(job_id)), ids)
+    return ids

@@ -1,0 +1,231 @@
+"""``llmpipe up``: everything in one command, with a warm shutdown on Ctrl-C.
+
+Redis (the configured one when it answers, else an embedded redis-server with its AOF
+under the state dir), the model (prepared once into the state dir), one Celery worker per
+stage, the API and Flower, as supervised children. A child that exits on its own is
+restarted, its process group killed first, after a backoff (llmpipe/local/restarts.py); one that
+crashes restart_max_crashes times within restart_window_s stops the stack with exit 1, as
+does a child that cannot start as configured. Ctrl-C: a warm shutdown in pipeline order
+(running requests finish; queued work stays in Redis for the next start), with no restart;
+a second Ctrl-C forces it. Every way out stops every child and the embedded Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+
+from llmpipe.local.pipeline import LocalPipeline, PipelineError
+from llmpipe.local.redis_server import EmbeddedRedis, port_in_use, redis_answers
+from llmpipe.settings import Settings
+
+EMBEDDED = "embedded"
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _Interrupted(BaseException):
+    """Ctrl-C before any child started (a BaseException, like KeyboardInterrupt, so that
+    no ``except Exception`` on the way swallows it)."""
+
+
+def child_env(s: Settings) -> dict[str, str]:
+    """Environment defaults for the children; a variable already set in the environment wins.
+
+    VLLM_ENABLE_V1_MULTIPROCESSING stays vLLM's default (1) on purpose. With 0, vLLM on
+    CPU runs the model in its engine-core process without its OMP thread binding: measured
+    with SmolLM2 on a 2-core machine, the engine started a little sooner (14-26 s instead
+    of 29-30 s) but served 5-10x slower (one chat 12-16 s instead of 1.4-1.7 s; 16 prompts x
+    64 tokens 10-14 s instead of 2.2-2.3 s). The engine sets VLLM_CPU_KVCACHE_SPACE from
+    settings.kv_cache_gib and VLLM_HOST_IP itself; setting the latter here also covers its
+    engine-core process.
+    """
+    env = {
+        "VLLM_HOST_IP": "127.0.0.1",  # vLLM's own sockets stay on loopback
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        # The CPU stages load their tokenizer before forking their pool.
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    return {k: v for k, v in env.items() if k not in os.environ}
+
+
+def check_model_path(path: str) -> None:
+    p = Path(path)
+    if p.is_dir() and not (p / "config.json").is_file():
+        raise PipelineError(f"model folder {path} has no config.json: not a Hugging Face model folder")
+
+
+def run_up(s: Settings, *, flower: bool = True, echo: bool = True, redis_explicit: bool = False,
+           ready_timeout: float = 600.0, stop_timeout: float = 120.0, verbose: bool = False) -> int:
+    from llmpipe.models.registry import resolve_model
+
+    console = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
+    out = Console(highlight=False, soft_wrap=True)
+    embedded: EmbeddedRedis | None = None
+    pipeline: LocalPipeline | None = None
+    force = threading.Event()
+    stopping = threading.Event()
+    started = time.monotonic()
+
+    def on_signal(signum, frame):
+        if stopping.is_set():
+            if not force.is_set():
+                console.print("forcing shutdown", style="red")
+            force.set()
+            return
+        stopping.set()
+        if pipeline is None:
+            raise _Interrupted()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in _SIGNALS}
+    code = 0
+    try:
+        for port, what, flag in [(s.api_port, "API", "--port"), *([(s.flower_port, "Flower", "--flower-port")] if flower else [])]:
+            if port_in_use(port):
+                raise PipelineError(f"port {port} for the {what} is already in use (choose another with {flag})")
+        _check_engine_args(s)
+        configured = _configured_redis(s, redis_explicit)
+        # Every served model is prepared once here, before its workers start (llmpipe/models/served.py).
+        for m in s.served.models:
+            try:
+                model_path = resolve_model(m.source, s.models_dir, progress=True)
+            except Exception as exc:
+                raise PipelineError(f"model {m.source}: {exc}") from None
+            check_model_path(model_path)
+            queue = f", queue {m.queue}" if s.served.several else ""
+            console.print(f"model: {m.id} ({model_path}{queue}); engine: {s.engine.value}")
+        embedded, s = _redis(s, configured, console)
+        if flower and not s.flower_password:
+            s = s.model_copy(update={"flower_password": secrets.token_urlsafe(12)})
+        # The console: our own lines and the children's warnings and errors; --verbose: everything.
+        pipeline = LocalPipeline(s, flower=flower, echo=echo, console=console, extra_env=child_env(s),
+                                 echo_level=logging.DEBUG if verbose else logging.WARNING, restarts=True)
+        pipeline.start()
+        with console.status("starting") as status:
+            ready = pipeline.wait_ready(ready_timeout, status=status, stop_event=stopping)
+        if ready:
+            _print_ready(out, s, flower, embedded, pipeline, time.monotonic() - started)
+        while not stopping.is_set():
+            pipeline.tend()  # restarts a child that exited on its own; raises when it gives up on one
+            stopping.wait(0.2)
+        code = 0 if ready else 130
+    except _Interrupted:
+        console.print("llmpipe up: interrupted", style="yellow")
+        code = 130
+    except PipelineError as exc:
+        console.print(f"llmpipe up: {exc}", style="red")
+        code = 1
+    except Exception as exc:  # a bug: still one line, and still a clean stop
+        if os.environ.get("LLMPIPE_DEBUG"):
+            raise
+        console.print(f"llmpipe up: unexpected {type(exc).__name__}: {exc} (LLMPIPE_DEBUG=1 shows the traceback)",
+                      style="red")
+        code = 1
+    finally:
+        stopping.set()
+        if pipeline is not None:
+            if code in (0, 130):
+                console.print("warm shutdown: running requests finish, queued jobs stay in Redis "
+                              "(Ctrl-C again to force)", style="yellow")
+            if not pipeline.stop(timeout=stop_timeout, force_event=force):
+                if not force.is_set():
+                    console.print(f"not stopped after {stop_timeout:.0f}s: killed what was left", style="red")
+                code = code or 130
+        if embedded is not None:
+            embedded.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if pipeline is not None or embedded is not None:
+            console.print("stopped" + (" (forced)" if force.is_set() else ""))
+    return code
+
+
+def _check_engine_args(s: Settings) -> None:
+    """A typo in an engine argument is one line now, not an engine that fails to start later."""
+    from llmpipe.engines.platform import check_engine_args
+    from llmpipe.engines.vllm_args import EngineArgError
+
+    try:
+        check_engine_args(s)
+    except EngineArgError as exc:
+        raise PipelineError(str(exc)) from None
+
+
+def _safe(url: str) -> str:
+    """The URL without its password (every part of a Sentinel URL)."""
+    from llmpipe.broker.redis_clients import safe_url
+
+    return safe_url(url)
+
+
+def _configured_redis(s: Settings, explicit: bool) -> bool:
+    """Whether the configured Redis answers; an explicit one (flag, env, config file)
+    that does not is an error, not a reason to embed one."""
+    if s.redis_url == EMBEDDED:
+        return False
+    if redis_answers(s.redis_url, master_name=s.redis_sentinel_master):
+        return True
+    if explicit:
+        raise PipelineError(f"redis at {_safe(s.redis_url)} does not answer (leave --redis-url out, or "
+                            f"use --redis-url {EMBEDDED}, for an embedded Redis)")
+    return False
+
+
+def _redis(s: Settings, configured: bool, console: Console) -> tuple[EmbeddedRedis | None, Settings]:
+    """The Redis to use, said in one line: the configured one when it answers, else an
+    embedded one (always with ``--redis-url embedded``) with its AOF in the state dir."""
+    if configured:
+        console.print(f"redis: using {_safe(s.redis_url)}")
+        return None, s
+    try:
+        embedded = EmbeddedRedis(s.state_dir / "redis").start()
+    except RuntimeError as exc:
+        raise PipelineError(f"embedded redis: {exc}") from None
+    why = "" if s.redis_url == EMBEDDED else f"; {_safe(s.redis_url)} did not answer"
+    console.print(f"redis: embedded redis-server at {embedded.url} (AOF in {embedded.data_dir}){why}")
+    return embedded, s.model_copy(update={"redis_url": embedded.url})
+
+
+def _cli_name() -> str:
+    exe = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    if exe and shutil.which("llmpipe") == exe:
+        return "llmpipe"
+    if exe.endswith("llmpipe") and os.path.isfile(exe):
+        rel = os.path.relpath(exe)
+        return rel if not rel.startswith("..") else exe
+    return "llmpipe"
+
+
+def _print_ready(out: Console, s: Settings, flower: bool, embedded: EmbeddedRedis | None,
+                 pipeline: LocalPipeline, took: float) -> None:
+    api = f"http://127.0.0.1:{s.api_port}"
+    body = ('{"messages": [{"role": "user", "content": "What is the capital of France?"}], '
+            '"max_tokens": 32, "temperature": 0}')
+    url_opt = "" if s.api_port == 8000 else f" --url {api}"
+    lines = [
+        "[bold green]llmpipe is ready[/] " + escape(f"in {took:.1f}s ({'models' if s.served.several else 'model'} "
+                                                    f"{', '.join(m.id for m in s.served.models)}, engine {s.engine.value})"),
+        f"  API      {api}   docs: {api}/docs",
+    ]
+    if flower:
+        lines.append(f"  Flower   http://127.0.0.1:{s.flower_port}   user {s.flower_user}, password {s.flower_password}")
+    lines += [
+        f"  Redis    {_safe(s.redis_url)}" + (" (embedded)" if embedded else ""),
+        f"  Logs     {pipeline.sup.log_dir}",
+        "  Try:",
+        f"    curl -s {api}/v1/jobs -H 'content-type: application/json' -d '{body}'",
+        f"    curl -s '{api}/v1/jobs/<id>?wait=30'",
+        f"    {_cli_name()} chat{url_opt} \"What is the capital of France?\"",
+        "  Ctrl-C stops (warm: running requests finish, queued ones wait in Redis); twice forces.",
+    ]
+    out.print("\n".join([lines[0], *map(escape, lines[1:])]), markup=True, highlight=False)

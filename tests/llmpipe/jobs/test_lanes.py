@@ -1,0 +1,110 @@
+"""Priority lanes (llmpipe/jobs/lanes.py): the mapping, the per-lane admission budget (real
+Redis), the batcher's order (fake clock) and the transport's claim order across the
+priority lists (real Redis, kombu producers and consumers)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from llmpipe.broker.queue_depth import RedisDepths
+from llmpipe.jobs.admission import Admission
+from llmpipe.jobs.lanes import PRIORITY_STEPS, Lane, broker_priority, lane_for, queue_keys
+from llmpipe.processors.batching import Batcher
+from tests.kombu_helpers import connect, drain
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_priority_picks_the_lane_and_the_lane_its_broker_priority():
+    assert lane_for(0, 1) is Lane.INTERACTIVE  # vLLM's default priority is interactive
+    assert lane_for(-5, 1) is Lane.INTERACTIVE
+    assert lane_for(1, 1) is Lane.BATCH and lane_for(500, 1) is Lane.BATCH
+    assert lane_for(5, 10) is Lane.INTERACTIVE
+    # on Redis the lower step is claimed first: interactive on the first list, batch on the last
+    assert broker_priority(Lane.INTERACTIVE) == PRIORITY_STEPS[0]
+    assert broker_priority(Lane.BATCH) == PRIORITY_STEPS[-1]
+    # AMQP delivers the highest first
+    assert broker_priority(Lane.INTERACTIVE, amqp=True) > broker_priority(Lane.BATCH, amqp=True)
+    assert queue_keys("inference")[0] == "inference" and len(queue_keys("inference")) == len(PRIORITY_STEPS)
+
+
+def test_the_batch_lane_gets_429_while_the_interactive_lane_is_still_admitted(redis_client):
+    a = Admission(redis_client, max_queue_depth=10, max_queued_tokens=0, clock=Clock(), batch_share=0.5)
+    # a batch backlog on the batch lane's list of the inference queue
+    redis_client.rpush(queue_keys("inference")[-1], *[b"m"] * 5)
+    d = a.try_admit("b1", 1, 2000, lane=Lane.BATCH)
+    assert not d.admitted and d.stage == "inference" and d.depth == 5 and d.limit == 5
+    assert a.try_admit("i1", 1, 2000, lane=Lane.INTERACTIVE).admitted
+    # interactive requests fill the rest of the budget, then get 429 too: every list counts
+    redis_client.rpush("inference", *[b"m"] * 5)
+    d = a.try_admit("i2", 1, 2000, lane=Lane.INTERACTIVE)
+    assert not d.admitted and d.depth == 10 and d.limit == 10
+
+
+def test_the_batch_lane_has_its_share_of_the_token_budget(redis_client):
+    a = Admission(redis_client, max_queue_depth=0, max_queued_tokens=100, clock=Clock(), batch_share=0.5)
+    assert a.try_admit("b1", 40, 2000, lane=Lane.BATCH).admitted
+    d = a.try_admit("b2", 20, 2000, lane=Lane.BATCH)
+    assert not d.admitted and d.stage == "tokens" and d.limit == 50
+    assert a.try_admit("i1", 60, 2000, lane=Lane.INTERACTIVE).admitted
+
+
+def test_depths_count_every_priority_list(redis_client):
+    redis_client.rpush("preprocess", b"a")
+    redis_client.rpush(queue_keys("preprocess")[-1], b"b", b"c")
+    assert RedisDepths(redis_client).sample(["preprocess", "inference"]).depths == {"preprocess": 3, "inference": 0}
+
+
+def _wait(pred, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, "condition not met in time"
+        time.sleep(0.005)
+
+
+def test_a_batch_takes_the_lowest_priorities_first_in_arrival_order_among_equals():
+    clock = Clock(100.0)
+    gate = threading.Event()
+    seen: list[list[tuple[str, int]]] = []
+
+    def run(items):
+        seen.append(list(items))
+        gate.wait(5)
+        return items
+
+    b = Batcher(run, window_s=10.0, max_size=3, company_expected=lambda: False, clock=clock, order=lambda x: x[1])
+    b.submit(("first", 5))  # runs alone and holds the engine
+    _wait(lambda: b.pending() == 0)
+    arrivals = [("b1", 5), ("b2", 5), ("i1", 0), ("b3", 5), ("i2", 0)]
+    futs = []
+    for item in arrivals:
+        clock.t += 0.001
+        futs.append(b.submit(item))
+    gate.set()
+    for f in futs:
+        f.result(5)
+    b.stop()
+    assert seen[1] == [("i1", 0), ("i2", 0), ("b1", 5)]  # interactive first, then the oldest batch item
+    assert seen[2] == [("b2", 5), ("b3", 5)]
+
+
+def test_the_transport_claims_the_interactive_list_before_a_batch_backlog(redis_url, redis_client):
+    with connect(redis_url, priority_steps=list(PRIORITY_STEPS), queue_order_strategy="priority") as conn:
+        from kombu import Producer, Queue
+
+        p = Producer(conn.channel())
+        for i in range(5):
+            p.publish({"n": f"batch{i}"}, routing_key="lanes", serializer="json", declare=[Queue("lanes")],
+                      priority=broker_priority(Lane.BATCH))
+        p.publish({"n": "interactive"}, routing_key="lanes", serializer="json", declare=[Queue("lanes")],
+                  priority=broker_priority(Lane.INTERACTIVE))
+        assert redis_client.llen(queue_keys("lanes")[-1]) == 5 and redis_client.llen("lanes") == 1
+        got = [body["n"] for body, _ in drain(conn, "lanes", 6)]
+    assert got == ["interactive", *(f"batch{i}" for i in range(5))]

@@ -1,0 +1,23 @@
+"""The `ups` fixture: `llmpipe up` subprocesses (tests/llmpipe/local/up_harness.py) that a test
+starts, each killed at the test's end if it is still running."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.llmpipe.local.up_harness import Up
+
+
+@pytest.fixture
+def ups():
+    started: list[Up] = []
+
+    def start(*args, **kw) -> Up:
+        up = Up(*args, **kw)
+        started.append(up)
+        return up
+
+    yield start
+    for up in started:
+        if up.proc.poll() is None:
+            up.kill()

@@ -1,0 +1,137 @@
+"""`llmpipe up` as a user runs it: a real subprocess on the tiny model with an embedded
+Redis. It serves through the API and `llmpipe chat`, Flower (behind basic auth) lists the
+three worker kinds and the inference tasks, Ctrl-C stops it warm with no process left, and
+a child killed with SIGKILL comes back while the stack stays up. (Ctrl-C in the middle of
+work: test_up_ctrl_c.py; startup errors: test_up_errors.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from llmpipe.local.redis_server import redis_answers
+from llmpipe.local.supervisor import alive, descendants
+from tests.llmpipe.local.up_harness import (
+    QUESTION,
+    cmdline,
+    flower_json,
+    job_result,
+    one_process,
+    run_chat,
+    submit_job,
+    wait_text,
+)
+
+
+@pytest.mark.integration
+def test_up_serves_then_stops_clean(tmp_path, ups, tiny_model):
+    up = ups(tmp_path / "state", "--model", tiny_model, "--engine", "transformers", "--redis-url", "embedded",
+             "--cpu-workers", "1")
+    up.wait_ready()
+    assert "redis: embedded redis-server at redis://127.0.0.1:" in up.err
+    assert f"curl -s {up.url}/v1/jobs" in up.out and f"chat --url {up.url}" in up.out
+    redis_url = re.search(r"Redis +(redis://\S+)", up.out).group(1)
+    redis_pids = [p for p in up.collect() if "redis-server" in cmdline(p)]
+    assert len(redis_pids) == 1
+
+    # Through the API, with the long-poll...
+    view = job_result(up.url, submit_job(up.url, {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 16,
+                                         "temperature": 0}))
+    assert view["status"] == "succeeded", view
+    assert len(view["result"]["results"]) == 1
+    # ... and through `llmpipe chat`.
+    chat = run_chat(up.url)
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout.strip() == view["result"]["results"][0]["text"].strip()  # greedy: the same answer
+    as_json = run_chat(up.url, "--json")
+    assert as_json.returncode == 0 and json.loads(as_json.stdout)["status"] == "succeeded"
+
+    # A job of several prompts (a chord: its collect task runs; a one-prompt job has none).
+    assert job_result(up.url, submit_job(up.url, {"prompts": ["a", "b"], "max_tokens": 2}))["status"] == "succeeded"
+
+    # Flower, behind basic auth: the three worker kinds and the inference tasks.
+    password = re.search(r"user admin, password (\S+)", up.out).group(1)
+    assert flower_json(up, "/api/workers", None).status_code == 401
+    workers = flower_json(up, "/api/workers?refresh=1", ("admin", password)).json()
+    assert {w.split("@")[0] for w in workers} == {f"{k}-{up.port}" for k in ("preprocess", "inference", "postprocess")}
+    end = time.monotonic() + 30
+    while True:
+        tasks = flower_json(up, "/api/tasks", ("admin", password)).json().values()
+        done = {t["name"] for t in tasks if t["state"] == "SUCCESS" and t.get("runtime") is not None}
+        if {"llmpipe.preprocess", "llmpipe.inference", "llmpipe.postprocess", "llmpipe.collect"} <= done:
+            break
+        assert time.monotonic() < end, f"Flower does not list every stage's tasks: {tasks}"
+        time.sleep(0.5)
+
+    # Ctrl-C: a warm stop, exit 0, no process left, the embedded Redis stopped.
+    t0 = time.monotonic()
+    assert up.interrupt() == 0, up.err[-3000:]
+    assert time.monotonic() - t0 < 60
+    assert "warm shutdown" in up.err and up.err.rstrip().endswith("stopped")
+    assert len(up.tree) >= 8  # 3 workers, 2 pool processes, the API, Flower, Redis
+    assert up.left_alive() == []
+    assert not alive(redis_pids[0]) and not redis_answers(redis_url, timeout=0.5)
+    assert "Traceback" not in up.err
+
+
+# -- supervision: a child killed with SIGKILL comes back, the stack stays up -------------
+
+
+@pytest.mark.integration
+def test_up_restarts_what_is_killed(tmp_path, ups, tiny_model):
+    """`kill -9` of the inference worker (vLLM, its engine core in a process of its own as
+    vLLM runs by default) and then of the API: each comes back by itself after 1 s, said on
+    the console; no engine core is left behind; jobs succeed; Ctrl-C still stops it warm."""
+    up = ups(tmp_path / "state", "--model", tiny_model, "--engine", "vllm", "--redis-url", "embedded",
+             "--cpu-workers", "1", "--no-flower", VLLM_ENABLE_V1_MULTIPROCESSING="1", LLMPIPE_MAX_MODEL_LEN="512",
+             LLMPIPE_MAX_BATCH_SIZE="4")
+    up.wait_ready(timeout=300)
+    body = {"prompt": "once upon a time", "max_tokens": 8, "temperature": 0}
+    assert job_result(up.url, submit_job(up.url, body))["status"] == "succeeded"
+
+    inference = one_process(up, "celery", "-Q inference")
+    cores = [p for p in descendants(inference) if "EngineCore" in cmdline(p)]
+    assert cores, [cmdline(p) for p in descendants(inference)]
+    t_kill = time.monotonic()
+    os.kill(inference, signal.SIGKILL)
+    wait_text(lambda: up.err, "llmpipe up: inference was killed by SIGKILL after", up)
+    line = next(ln for ln in up.err.splitlines() if "inference was killed by SIGKILL" in ln)
+    assert line.endswith("; restarting in 1 s (crash 1 of 5 in 300 s)"), line
+    end = time.monotonic() + 10
+    while any(alive(p) for p in cores):
+        assert time.monotonic() < end, f"the killed worker's engine core {cores} outlived it"
+        time.sleep(0.1)
+    # A job sent while the worker restarts waits for it in the queue, and succeeds.
+    job = submit_job(up.url, body)
+    new_inference = one_process(up, "celery", "-Q inference")
+    assert new_inference != inference
+    assert job_result(up.url, job, timeout=240)["status"] == "succeeded"
+    print(f"\ninference killed -> a job sent after it succeeded: {time.monotonic() - t_kill:.1f} s")
+
+    api = one_process(up, "llmpipe.cli", " api ")
+    t_kill = time.monotonic()
+    os.kill(api, signal.SIGKILL)
+    wait_text(lambda: up.err, "llmpipe up: api was killed by SIGKILL after", up)
+    end = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{up.url}/healthz", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < end and up.proc.poll() is None, up.err[-3000:]
+        time.sleep(0.1)
+    print(f"api killed -> /healthz 200 again: {time.monotonic() - t_kill:.1f} s")
+    assert one_process(up, "llmpipe.cli", " api ") != api
+    assert job_result(up.url, submit_job(up.url, body))["status"] == "succeeded"
+
+    assert up.interrupt() == 0, up.err[-3000:]
+    assert "warm shutdown" in up.err and up.err.rstrip().endswith("stopped")
+    assert up.left_alive() == []
+    assert "Traceback" not in up.err
