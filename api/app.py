@@ -12,7 +12,8 @@ from starlette.concurrency import run_in_threadpool
 
 from api import errors
 from api.detok import Detokenizers
-from api.jobs.protocol import ErrorResponse
+from api.errors import ErrorResponse
+from api.jobs.protocol import UNION_TAGS
 from api.jobs.router import router as jobs_router
 from api.jobs.service import JobService
 from api.openai.router import router as openai_router
@@ -107,7 +108,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.jobs = service
     app.state.waiter = waiter
     app.state.redis = r
-    errors.install(app)
+    errors.install(app, union_tags=UNION_TAGS)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     # The limits of these settings validate every request and appear in /openapi.json.
     bind(app, Limits.from_settings(settings, model_paths=[lambda src=m.source: prepared_model_path(settings, src)

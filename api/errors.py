@@ -20,14 +20,29 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from kombu.exceptions import OperationalError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from api.disconnect import ClientGone
 from llmpipe.errors import LlmpipeError, NoLiveWorkerError, OverloadedError
 from llmpipe.messages import ErrorReason
 
 log = logging.getLogger("llmpipe.api")
 
 RETRY_HEADER = "x-should-retry"  # read by the openai client's _should_retry before the status
+
+
+class ErrorBody(BaseModel):
+    type: ErrorReason
+    message: str
+    param: str | None = None
+    stage: str | None = None
+
+
+# Every error answer's body (a failed job's ``error`` is an ErrorBody too). No docstring: it
+# would become the schema's description in /openapi.json.
+class ErrorResponse(BaseModel):
+    error: ErrorBody
 
 
 @dataclass(frozen=True)
@@ -88,6 +103,11 @@ def _describe(status: int) -> dict:
 ERROR_RESPONSES = {status: _describe(status) for status in sorted({r.status for r in ERROR_TABLE})}
 
 
+def responses(*statuses: int) -> dict[int, dict]:
+    """A route's (or the app's) ``responses`` for these error statuses, in the error schema."""
+    return {s: {"model": ErrorResponse, **ERROR_RESPONSES[s]} for s in statuses}
+
+
 def error_json(status: int, reason: ErrorReason, message: str, param: str | None = None,
                headers: dict[str, str] | None = None, *, retry: bool | None = None, **extra) -> JSONResponse:
     # "code": the HTTP status, as vLLM's error body carries it.
@@ -107,9 +127,9 @@ def status_for(exc: LlmpipeError) -> int:
     return mapping_for(exc.reason).status
 
 
-def install(app: FastAPI) -> None:
-    from api.disconnect import ClientGone
-    from api.jobs.protocol import UNION_TAGS
+def install(app: FastAPI, *, union_tags: frozenset[str] = frozenset()) -> None:
+    """Map every error of ``app`` to its response. ``union_tags``: the tags of the body unions
+    (api/jobs/protocol.py UNION_TAGS), left out of a validation error's field path."""
 
     @app.exception_handler(ClientGone)
     async def _gone(_: Request, exc: ClientGone):
@@ -135,7 +155,7 @@ def install(app: FastAPI) -> None:
         parts = []
         param = None
         for e in errs[:5]:
-            loc = [str(x) for x in e.get("loc", ()) if x != "body" and x not in UNION_TAGS]
+            loc = [str(x) for x in e.get("loc", ()) if x != "body" and x not in union_tags]
             where = ".".join(loc) or "body"
             param = param or where
             parts.append(f"{where}: {e.get('msg')}")

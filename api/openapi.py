@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from api.errors import ERROR_RESPONSES, error_json
+from api.errors import ERROR_RESPONSES, ErrorResponse, error_json
 from api.request_keys import HEADER as KEY_HEADER
 from api.request_keys import KEY_PATTERN
 from llmpipe.messages import ErrorReason
@@ -90,8 +90,6 @@ def document_errors(app: FastAPI, spec: dict) -> None:
     for unused in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422 body; ours is ErrorResponse
         schemas.pop(unused, None)
     if "ErrorResponse" not in schemas:
-        from api.jobs.protocol import ErrorResponse
-
         schemas["ErrorResponse"] = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
         schemas.update(schemas["ErrorResponse"].pop("$defs", {}))
 

@@ -6,8 +6,9 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
+from api.errors import ErrorBody
 from api.validation import Bool, Float, Int, Limit, Priority, Seed, TokenId
-from llmpipe.messages import ChatMessage, ErrorReason, JobResult, JobStatus, SamplingParams
+from llmpipe.messages import ChatMessage, JobResult, JobStatus, SamplingParams
 
 
 class _JobParams(BaseModel):
@@ -87,17 +88,6 @@ class JobCreated(BaseModel):
     id: str
     status: JobStatus
     status_url: str
-
-
-class ErrorBody(BaseModel):
-    type: ErrorReason
-    message: str
-    param: str | None = None
-    stage: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorBody
 
 
 class JobView(BaseModel):

@@ -14,7 +14,8 @@ from celery import chord as celery_chord
 from celery.canvas import Signature
 
 from api.detok import Detokenizers
-from api.jobs.protocol import ErrorBody, JobCreate, JobView
+from api.errors import ErrorBody
+from api.jobs.protocol import JobCreate, JobView
 from api.request_keys import RequestKey, RequestKeys
 from llmpipe.errors import LimitExceededError, NotFoundError, OverloadedError, UnavailableError
 from llmpipe.jobs.admission import Admission, estimate_tokens, release

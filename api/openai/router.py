@@ -9,8 +9,8 @@ from starlette.concurrency import run_in_threadpool
 
 from api.detok import Detokenizers
 from api.disconnect import unless_disconnected
-from api.errors import ERROR_RESPONSES
-from api.jobs.protocol import ErrorResponse, JobView
+from api.errors import ERROR_RESPONSES, ErrorResponse
+from api.jobs.protocol import JobView
 from api.jobs.router import REPLAYED_HEADER, bearer, wait_view
 from api.jobs.service import JobService
 from api.openai.features import chat_choice, chat_extras, check_request, completion_choice, echo_text

@@ -23,8 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from api.detok import Detokenizers
-from api.errors import ERROR_RESPONSES
-from api.jobs.protocol import ErrorResponse
+from api.errors import ERROR_RESPONSES, ErrorResponse
 from api.openai.protocol import ChatIn
 from api.ops.health import require_live_stages
 from api.validation import MAX_TOKEN_ID, Bool, Int
