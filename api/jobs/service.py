@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -12,20 +14,25 @@ from typing import Any
 from celery import Celery, chain
 from celery import chord as celery_chord
 from celery.canvas import Signature
+from starlette.concurrency import run_in_threadpool
 
 from api.detok import Detokenizers
 from api.errors import ErrorBody
 from api.jobs.protocol import JobCreate, JobView
 from api.request_keys import RequestKey, RequestKeys
+from api.waiter import JobWaiter
+from llmpipe.broker.redis_clients import UNAVAILABLE_ERRORS
 from llmpipe.errors import LimitExceededError, NotFoundError, OverloadedError, UnavailableError
 from llmpipe.jobs.admission import Admission, estimate_tokens, release
-from llmpipe.jobs.lanes import broker_priority, lane_for
-from llmpipe.jobs.store import JobRecord, JobStore
+from llmpipe.jobs.lanes import Lane, broker_priority, lane_for
+from llmpipe.jobs.store import JobRecord, JobStore, parse_wake
 from llmpipe.jobs.streaming import read_published
 from llmpipe.messages import ErrorReason, JobStatus, PromptRequest, SamplingParams
+from llmpipe.models.served import ServedModel
 from llmpipe.observability import metrics
 from llmpipe.observability.summaries import args_repr
 from llmpipe.settings import Settings
+from llmpipe.stages import COLLECT_TASK, Stage
 
 log = logging.getLogger("llmpipe.api")
 
@@ -35,6 +42,20 @@ class Submitted:
     job_id: str
     deadline: float
     replayed: bool = False  # an Idempotency-Key mapped this request to a job made earlier
+
+
+@dataclass
+class _Job:
+    """A job while it is submitted: what each step needs, and how far it got (for ``_undo``)."""
+
+    id: str
+    now: float
+    deadline: float
+    lane: Lane
+    model: ServedModel
+    key: RequestKey | None
+    admitted: bool = False
+    created: bool = False
 
 
 class JobService:
@@ -66,7 +87,7 @@ class JobService:
         # own repr (log_content). Always given: where the tasks are registered too (a test
         # process), the task class would otherwise fill in its own choice (llmpipe/broker/requeue.py).
         options = {**options, "argsrepr": None if self.settings.log_content else args_repr((body,))}
-        return self.celery.signature("llmpipe.preprocess", args=(body,), options=options)
+        return self.celery.signature(Stage.PREPROCESS.task, args=(body,), options=options)
 
     def check_limits(self, texts: list[str], n_prompts: int, max_tokens: int | None) -> None:
         s = self.settings
@@ -110,71 +131,85 @@ class JobService:
         self.check_limits([t for inp in inputs for t in _input_pieces(inp)], len(inputs) // choices, max_tokens)
         inputs = [{k: v for k, v in inp.items() if k != "limit_pieces"} for inp in inputs]
         now = self._clock()
-        deadline = now + min(timeout or s.default_timeout_s, s.max_timeout_s)
-        job_id = uuid.uuid4().hex
+        job = _Job(uuid.uuid4().hex, now, now + min(timeout or s.default_timeout_s, s.max_timeout_s), lane, served, key)
         if key is not None:
-            claim = self.keys.claim(key, job_id, attach=waiting)
+            claim = self.keys.claim(key, job.id, attach=waiting)
             if claim.existing:
                 log.info("job=%s stage=api replayed for Idempotency-Key", claim.job_id)
-                return Submitted(claim.job_id, claim.deadline or deadline, replayed=True)
-        admitted = created = False
+                return Submitted(claim.job_id, claim.deadline or job.deadline, replayed=True)
         try:
             given_ids = sum(len(inp.get("prompt_token_ids") or ()) for inp in inputs)  # token-id prompts: their length
-            decision = self.admission.try_admit(job_id, estimate_tokens(texts, max_tokens) + given_ids, deadline, lane=lane,
-                                                inference_queue=served.queue)
-            if not decision.admitted:
-                metrics.REJECTED.labels(decision.stage or "unknown").inc()
-                what = "queued prompt tokens" if decision.stage == "tokens" else f"the {decision.stage} queue"
-                raise OverloadedError(
-                    f"{what} is full for the {lane.value} lane ({decision.depth} of at most {decision.limit}); "
-                    f"retry after {decision.retry_after_s:.0f}s",
-                    stage=decision.stage or "unknown", retry_after_s=decision.retry_after_s)
-            admitted = True
+            self._admit(job, estimate_tokens(texts, max_tokens) + given_ids)
             msgs = [
-                PromptRequest(job_id=job_id, index=i, deadline=deadline, enqueued_at=now, params=p, stream=stream,
+                PromptRequest(job_id=job.id, index=i, deadline=job.deadline, enqueued_at=now, params=p, stream=stream,
                               priority=priority, model=served.name, **inp)
                 for i, (inp, p) in enumerate(zip(inputs, per_input, strict=True))
             ]
-            pipe = self.store.r.pipeline(transaction=False)
-            self.store.create(job_id, n_prompts=len(msgs), deadline=deadline, kind=kind, meta={**(meta or {}), "model": served.name}, now=now,
-                              pipe=pipe, waiters=1 if waiting else 0, stream=stream)
-            if key is not None:
-                self.keys.keep(pipe, key)
-            pipe.execute()
-            created = True
-            # Every stage's message carries the lane's broker priority: on Redis each queue is
-            # one list per priority step, claimed interactive first (celeryconfig.py).
-            pri = {"priority": broker_priority(lane, amqp=s.broker_is_amqp)}
-            header = [
-                chain(
-                    self._preprocess_signature(m, pri),
-                    # The model's own inference queue (inference.<name> with several models).
-                    self.celery.signature("llmpipe.inference", options={**pri, "queue": served.queue}),
-                    self.celery.signature("llmpipe.postprocess", options=pri),
-                )
-                for m in msgs
-            ]
-            body_sig = self.celery.signature("llmpipe.collect", kwargs={"job_id": job_id, "submitted_at": now, "model": served.name},
-                                             options=pri)
-            if self._submit_slots is None:
-                chord(header, body_sig).apply_async(task_id=job_id)
-            else:
-                with self._submit_slots:
-                    chord(header, body_sig).apply_async(task_id=job_id)
+            self._create(job, len(msgs), kind=kind, meta=meta, waiting=waiting, stream=stream)
+            self._publish(job, msgs)
         except Exception as exc:
-            self._undo(job_id, key, admitted=admitted, created=created)
+            self._undo(job.id, key, admitted=job.admitted, created=job.created)
             if isinstance(exc, OverloadedError):
                 raise
-            log.warning("job=%s stage=api could not enqueue: %s: %s", job_id, type(exc).__name__, exc)
+            log.warning("job=%s stage=api could not enqueue: %s: %s", job.id, type(exc).__name__, exc)
             raise UnavailableError(f"could not enqueue the job: {type(exc).__name__}") from exc
         finally:
-            if admitted:
-                try:
-                    self.admission.published(job_id)
-                except Exception:  # the pending mark expires after 10 s by itself
-                    log.warning("job=%s stage=api could not clear its pending admission", job_id)
+            if job.admitted:
+                self._published(job.id)
         metrics.ADMITTED.inc()
-        return Submitted(job_id, deadline)
+        return Submitted(job.id, job.deadline)
+
+    def _admit(self, job: _Job, tokens: int) -> None:
+        """Reserve the job's place in its lane and queues, or OverloadedError (429)."""
+        decision = self.admission.try_admit(job.id, tokens, job.deadline, lane=job.lane, inference_queue=job.model.queue)
+        if not decision.admitted:
+            metrics.REJECTED.labels(decision.stage or "unknown").inc()
+            what = "queued prompt tokens" if decision.stage == "tokens" else f"the {decision.stage} queue"
+            raise OverloadedError(
+                f"{what} is full for the {job.lane.value} lane ({decision.depth} of at most {decision.limit}); "
+                f"retry after {decision.retry_after_s:.0f}s",
+                stage=decision.stage or "unknown", retry_after_s=decision.retry_after_s)
+        job.admitted = True
+
+    def _create(self, job: _Job, n_prompts: int, *, kind: str, meta: dict | None, waiting: bool, stream: bool) -> None:
+        """The job record, and the Idempotency-Key's claim kept as long as it, in one round trip."""
+        pipe = self.store.r.pipeline(transaction=False)
+        self.store.create(job.id, n_prompts=n_prompts, deadline=job.deadline, kind=kind,
+                          meta={**(meta or {}), "model": job.model.name}, now=job.now,
+                          pipe=pipe, waiters=1 if waiting else 0, stream=stream)
+        if job.key is not None:
+            self.keys.keep(pipe, job.key)
+        pipe.execute()
+        job.created = True
+
+    def _publish(self, job: _Job, msgs: list[PromptRequest]) -> None:
+        """Send the job's chord: each prompt's chain of stages, then collect."""
+        # Every stage's message carries the lane's broker priority: on Redis each queue is
+        # one list per priority step, claimed interactive first (celeryconfig.py).
+        pri = {"priority": broker_priority(job.lane, amqp=self.settings.broker_is_amqp)}
+        header = [
+            chain(
+                self._preprocess_signature(m, pri),
+                # The model's own inference queue (inference.<name> with several models).
+                self.celery.signature(Stage.INFERENCE.task, options={**pri, "queue": job.model.queue}),
+                self.celery.signature(Stage.POSTPROCESS.task, options=pri),
+            )
+            for m in msgs
+        ]
+        collect = self.celery.signature(COLLECT_TASK, kwargs={"job_id": job.id, "submitted_at": job.now,
+                                                             "model": job.model.name}, options=pri)
+        if self._submit_slots is None:
+            chord(header, collect).apply_async(task_id=job.id)
+        else:
+            with self._submit_slots:
+                chord(header, collect).apply_async(task_id=job.id)
+
+    def _published(self, job_id: str) -> None:
+        """The job's messages are out (or never will be): its pending admission mark goes."""
+        try:
+            self.admission.published(job_id)
+        except Exception:  # the pending mark expires after 10 s by itself
+            log.warning("job=%s stage=api could not clear its pending admission", job_id)
 
     def _undo(self, job_id: str, key: RequestKey | None, *, admitted: bool, created: bool) -> None:
         """A job that was not enqueued: its reservation, its key and its record go, each
@@ -226,6 +261,13 @@ class JobService:
             log.info("job=%s stage=api cancelled (was %s)", job_id, rec.status.value)
         return self.view(job_id, partial=False)
 
+    def delete(self, job_id: str) -> JobView:
+        """Cancelled first if it has not ended (as :meth:`cancel`), then forgotten: a later
+        read is 404. Answers the job as it was last."""
+        view = self.cancel(job_id)
+        self.store.delete(job_id)
+        return view
+
     def expire(self, job_id: str, message: str) -> None:
         """The API stopped waiting at the deadline: the job ends ``expired`` (unless it just ended)."""
         self.store.stop(job_id, JobStatus.EXPIRED, {"type": ErrorReason.EXPIRED.value, "message": message})
@@ -234,6 +276,44 @@ class JobService:
         """A waiting client disconnected: the job is cancelled once no client waits on it."""
         if self.store.abandon(job_id) == 1:
             log.info("job=%s stage=api cancelled: its client disconnected", job_id)
+
+
+async def wait_view(service: JobService, waiter: JobWaiter, job_id: str, wait: float, *,
+                    partial: bool = True, through_outage: bool = False) -> JobView:
+    """The job's view once it has ended, or after ``wait`` seconds (with the text so far).
+
+    Each wake-up by a reconnect of the waiter reads the record again; one by the job's end
+    carries the ended state. ``through_outage``: a Redis error while waiting is waited out until ``wait``
+    ends, instead of answered with 503 (the caller's job is already running)."""
+    if wait <= 0:
+        return await run_in_threadpool(service.view, job_id, partial)
+    loop = asyncio.get_running_loop()
+    end = loop.time() + wait
+    view: JobView | None = None
+    rec: JobRecord | None = None
+    async with waiter.watch(job_id) as woken:
+        while True:
+            # Woken by the job's terminal move: the record read before, with the move's
+            # fields, is the record now (an ended record never changes), so no read.
+            ended = rec.ended(parse_wake(woken.payload)) if rec is not None else None
+            try:
+                rec = ended if ended is not None else await run_in_threadpool(service.record, job_id)
+                view = service.view_of(rec, False)
+            except UNAVAILABLE_ERRORS:
+                if not through_outage:
+                    raise
+                view = rec = None
+            if view is not None and view.status.terminal:
+                return view
+            left = end - loop.time()
+            if left <= 0:
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(woken.wait(), min(left, 1.0) if view is None else left)
+            woken.clear()
+    if view is None:
+        raise UnavailableError("the queue (Redis) is unavailable; retry shortly")
+    return await run_in_threadpool(service.view, job_id, partial) if partial else view
 
 
 def chord(header: list[Signature], body: Signature) -> Signature:
