@@ -1,7 +1,7 @@
 """Noticing a client that went away while a non-streaming request waits (vLLM's
 ``with_cancellation``): the wait races the ASGI ``http.disconnect`` message. The server
 does not cancel a plain handler when its client leaves, so without this a gone client's
-job would run to the end. (Streams: ``JobStream`` in api/sse.py.)"""
+job would run to the end. (Streams: ``JobStream`` in api/openai/sse.py.)"""
 
 from __future__ import annotations
 

@@ -74,6 +74,63 @@ class _Choice:
         return ""
 
 
+class _Choices:
+    """The streamed choices of one job: each choice's text decoded from the token ids of the
+    job's stream, as SSE chunks (``chunk``), with the usage so far when ``continuous_usage``."""
+
+    def __init__(self, loading: asyncio.Future, n_choices: int, stops: list[str], stop_ids: frozenset[int],
+                 chunk: ChunkFn, continuous_usage: bool):
+        self.loading = loading  # the tokenizer, loading
+        self.n_choices = n_choices
+        self.stops = stops
+        self.stop_ids = stop_ids
+        self.chunk = chunk
+        self.continuous_usage = continuous_usage
+        self.choices: dict[int, _Choice] = {}
+        self.ids: dict[int, list[int]] = {}
+        self.prompts: dict[int, PromptInfo] = {}
+
+    async def choice(self, i: int) -> _Choice:
+        # Made at its first entry, which says after which prompt ids to decode.
+        if i not in self.choices:
+            tail = self.prompts[i].tail if i in self.prompts else []
+            self.choices[i] = _Choice(IncrementalText(await self.loading, tail, self.stop_ids), self.stops)
+        return self.choices[i]
+
+    def with_usage(self, obj: dict, i: int, prompt: int | None = None, completion: int | None = None) -> dict:
+        if self.continuous_usage:
+            p = (self.prompts[i].tokens if i in self.prompts else 0) if prompt is None else prompt
+            c = len(self.ids.get(i, [])) if completion is None else completion
+            obj["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return obj
+
+    async def push(self, entries: list) -> list[bytes]:
+        """The chunks of new text in these stream entries."""
+        out = []
+        for i, new in apply_entries(entries, self.ids, self.prompts).items():
+            if i < self.n_choices:
+                delta = (await self.choice(i)).push(new)
+                if delta:
+                    out.append(sse(self.with_usage(self.chunk(i, delta, None), i)))
+        return out
+
+    async def finish(self, view: JobView, usage_chunk: Callable[[JobView], dict] | None) -> list[bytes]:
+        """The last chunks, from the ended job: each choice's rest and finish reason (and the
+        usage), or the job's error."""
+        if view.status != JobStatus.SUCCEEDED or view.result is None:
+            err = view.error
+            reason = err.type if err else ErrorReason.EXPIRED if view.status == JobStatus.EXPIRED else ErrorReason.INTERNAL
+            return [sse(error_event(reason, err.message if err else f"job {view.status.value}", err.param if err else None))]
+        out = []
+        for r in view.result.results:
+            tail = (await self.choice(r.index)).rest(r.text)
+            out.append(sse(self.with_usage(self.chunk(r.index, tail, r.finish_reason.value), r.index, r.prompt_tokens,
+                                           r.completion_tokens)))
+        if usage_chunk is not None:
+            out.append(sse(usage_chunk(view)))
+        return out
+
+
 async def stream_job(
     *, job_id: str, n_choices: int, stops: list[str], service: JobService, waiter: JobWaiter,
     aredis: aioredis.Redis, detok: Detokenizer, chunk: ChunkFn, first: list[dict], usage_chunk: Callable[[JobView], dict] | None,
@@ -84,26 +141,8 @@ async def stream_job(
     not part of the output (as vLLM)."""
     # The first call reads a file: off the event loop, while the stream is already read.
     loading = asyncio.ensure_future(run_in_threadpool(detok.tokenizer))
-    stop_ids = frozenset(stop_ids)
-    choices: dict[int, _Choice] = {}
-    ids: dict[int, list[int]] = {}
-    prompts: dict[int, PromptInfo] = {}
+    text = _Choices(loading, n_choices, stops, frozenset(stop_ids), chunk, continuous_usage)
     last = "0-0"
-
-    async def choice(i: int) -> _Choice:
-        # Made at its first entry, which says after which prompt ids to decode.
-        if i not in choices:
-            tail = prompts[i].tail if i in prompts else []
-            choices[i] = _Choice(IncrementalText(await loading, tail, stop_ids), stops)
-        return choices[i]
-
-    def with_usage(obj: dict, i: int, prompt: int | None = None, completion: int | None = None) -> dict:
-        if continuous_usage:
-            p = (prompts[i].tokens if i in prompts else 0) if prompt is None else prompt
-            c = len(ids.get(i, [])) if completion is None else completion
-            obj["usage"] = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-        return obj
-
     for obj in first:
         yield sse(obj)
     # The job's terminal move appends an end marker to its stream (llmpipe/jobs/store.py), after
@@ -121,11 +160,8 @@ async def stream_job(
             for _, entries in resp or []:
                 last = entries[-1][0]
                 marked = marked or any(is_end(f) for _, f in entries)
-                for i, new in apply_entries(entries, ids, prompts).items():
-                    if i < n_choices:
-                        delta = (await choice(i)).push(new)
-                        if delta:
-                            yield sse(with_usage(chunk(i, delta, None), i))
+                for part in await text.push(entries):
+                    yield part
             if ended and not resp:
                 break  # every token published before the end has been sent
             if marked or not resp or woken.is_set():
@@ -136,23 +172,19 @@ async def stream_job(
                 ended = view.status.terminal  # (no marker: one more read drains the stream)
             if not ended and time.time() > deadline + 5:
                 break  # nothing ended the job; it is settled expired below
+    for part in await text.finish(await _settled(service, job_id, view), usage_chunk):
+        yield part
+    yield sse("[DONE]")
+
+
+async def _settled(service: JobService, job_id: str, view: JobView | None) -> JobView:
+    """The ended job: the view read last, or a job that did not end by its deadline expired."""
     if view is None:
         view = await run_in_threadpool(service.view, job_id, False)
     if not view.status.terminal:  # (an ended record never changes: no need to read it again)
         await run_in_threadpool(service.expire, job_id, "the job did not finish by its deadline")
         view = await run_in_threadpool(service.view, job_id, False)
-    if view.status == JobStatus.SUCCEEDED and view.result is not None:
-        for r in view.result.results:
-            tail = (await choice(r.index)).rest(r.text)
-            yield sse(with_usage(chunk(r.index, tail, r.finish_reason.value), r.index, r.prompt_tokens,
-                                 r.completion_tokens))
-        if usage_chunk is not None:
-            yield sse(usage_chunk(view))
-    else:
-        err = view.error
-        reason = err.type if err else ErrorReason.EXPIRED if view.status == JobStatus.EXPIRED else ErrorReason.INTERNAL
-        yield sse(error_event(reason, err.message if err else f"job {view.status.value}", err.param if err else None))
-    yield sse("[DONE]")
+    return view
 
 
 class JobStream(StreamingResponse):
