@@ -23,9 +23,11 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, GetCoreSchemaHandler, GetJsonSchemaHandler, StrictBool, ValidationError
 from pydantic_core import PydanticCustomError, core_schema
+from tokenizers import Tokenizer
 
 from llmpipe.errors import BadRequestError, LimitExceededError
 from llmpipe.jobs.lanes import PRIORITY_MAX, PRIORITY_MIN
+from llmpipe.models.registry import SMOLLM2_DIR, TINY_DIR
 from llmpipe.settings import Settings
 
 
@@ -113,8 +115,6 @@ def _quiet(fn: Callable[[], int | None]) -> Callable[[], int | None]:
 def prepared_model_path(s: Settings, source: str | None = None) -> str:
     """The model's folder if it is already on disk; never prepares (converts, builds) one.
     ``source``: a served model's (default: the ``model`` setting)."""
-    from llmpipe.models.registry import SMOLLM2_DIR, TINY_DIR
-
     source = source if source is not None else s.model
     alias = {"tiny": TINY_DIR, "smollm2": SMOLLM2_DIR}.get(source.strip().lower())
     path = s.models_dir / alias if alias else Path(source).expanduser()
@@ -132,8 +132,6 @@ def _vocab_size(path: str) -> int | None:
         cfg = json.loads((p / "config.json").read_text())
         sizes.append(cfg.get("vocab_size") or cfg.get("text_config", {}).get("vocab_size") or 0)
     if (p / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer
-
         sizes.append(Tokenizer.from_file(str(p / "tokenizer.json")).get_vocab_size(with_added_tokens=True))
     return max(sizes) if sizes and max(sizes) > 0 else None
 
