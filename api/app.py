@@ -10,6 +10,7 @@ from fastapi import Depends, FastAPI
 from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
+import celeryconfig
 from api import errors
 from api.detok import Detokenizers
 from api.errors import ErrorResponse
@@ -28,8 +29,7 @@ from api.vllm.router import router as vllm_router
 from api.waiter import JobWaiter
 from llmpipe.broker.polling_backend import polling_backend_url
 from llmpipe.broker.queue_depth import depth_reader
-from llmpipe.broker.redis_clients import celery_url, fail_fast_retry, from_settings, sentinel_transport_options
-from llmpipe.broker.redis_transport import transport_for
+from llmpipe.broker.redis_clients import fail_fast_retry, from_settings
 from llmpipe.jobs.admission import Admission
 from llmpipe.jobs.store import JobStore
 from llmpipe.observability.heap import freeze_heap
@@ -55,15 +55,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     from llmpipe.celery_app import app as celery
 
-    # The settings object passed in wins over the one celeryconfig read at import.
-    broker = settings.effective_broker_url
-    celery.conf.update(
-        broker_url=celery_url(broker), broker_transport=transport_for(broker),
-        result_backend=polling_backend_url(settings.redis_url),
-        broker_transport_options={**celery.conf.broker_transport_options,
-                                  **sentinel_transport_options(broker, settings.redis_sentinel_master)},
-        result_backend_transport_options={**celery.conf.result_backend_transport_options,
-                                          **sentinel_transport_options(settings.redis_url, settings.redis_sentinel_master)})
+    # The settings object passed in wins over the ones celeryconfig read at import; the API
+    # reads job results through its own backend (llmpipe/broker/polling_backend.py).
+    celery.conf.update({**celeryconfig.build(settings), "result_backend": polling_backend_url(settings.redis_url)})
     r = from_settings(settings, socket_timeout=5, socket_connect_timeout=2, health_check_interval=30, retry=fail_fast_retry())
     # RabbitMQ: a sample serves 50 ms. Admission counts every job published since the
     # sample as queued, so an older one would refuse a burst that the workers drain as it comes.
