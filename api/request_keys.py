@@ -29,11 +29,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fastapi import Request
+
 from llmpipe.errors import BadRequestError, LlmpipeError
 from llmpipe.jobs.store import KEY_PREFIX
 from llmpipe.messages import ErrorReason
 
 HEADER = "Idempotency-Key"
+REPLAYED_HEADER = "Idempotent-Replayed"  # on an answer that is the job an earlier request made
 MAX_KEY_LEN = 255
 # Printable ASCII, as the IETF draft's sf-string; the same rule is in the OpenAPI schema.
 KEY_PATTERN = re.compile(rf"[\x20-\x7e]{{1,{MAX_KEY_LEN}}}")
@@ -95,6 +98,14 @@ def request_key(header: str | None, *, api_key: str | None, path: str, body: Any
     dumped = body.model_dump(mode="json") if hasattr(body, "model_dump") else body
     fp = hashlib.sha256(json.dumps({"path": path, "body": dumped}, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     return RequestKey(f"llmpipe:idem-key:{scope}:{digest}", fp, header)
+
+
+def key_of(request: Request, header: str | None, body: Any) -> RequestKey | None:
+    """The key of an HTTP request with the ``Idempotency-Key`` value ``header``, scoped by its
+    API key (the bearer token), for its path and parsed ``body``."""
+    auth = request.headers.get("authorization", "")
+    api_key = auth[7:].strip() if auth[:7].lower() == "bearer " else None
+    return request_key(header, api_key=api_key, path=request.url.path, body=body)
 
 
 @dataclass(frozen=True)

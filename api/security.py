@@ -9,24 +9,26 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from api.deps import ApiKeys
 from api.errors import error_json
 from llmpipe.messages import ErrorReason
 
 _bearer = HTTPBearer(auto_error=False, description="One of LLMPIPE_API_KEYS, when set.")
 
 
-def require_key(keys: frozenset[str]):
-    async def check(request: Request) -> None:
-        if not keys:
-            return
-        cred: HTTPAuthorizationCredentials | None = await _bearer(request)
-        if cred is None:
-            raise HTTPException(401, "missing API key: send 'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"})
-        if not any(hmac.compare_digest(cred.credentials, k) for k in keys):
-            raise HTTPException(403, "invalid API key")
+async def require_key(request: Request, keys: ApiKeys) -> None:
+    """A route's dependency: the request carries one of the app's API keys (any request,
+    when none is set)."""
+    if not keys:
+        return
+    cred: HTTPAuthorizationCredentials | None = await _bearer(request)
+    if cred is None:
+        raise HTTPException(401, "missing API key: send 'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"})
+    if not any(hmac.compare_digest(cred.credentials, k) for k in keys):
+        raise HTTPException(403, "invalid API key")
 
-    check.llmpipe_api_key = True  # api/openapi.py documents 401 and 403 on these routes
-    return check
+
+require_key.llmpipe_api_key = True  # api/openapi.py documents 401 and 403 on these routes
 
 
 class BodyLimit:

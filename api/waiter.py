@@ -96,7 +96,7 @@ class JobWaiter:
     @contextlib.asynccontextmanager
     async def watch_channel(self, ch: str) -> AsyncIterator[Wake]:
         """Woken by a PUBLISH on ``ch``: a job's done channel, or the Celery result key of a
-        task the API waits for (``POST /tokenize``, api/vllm/router.py)."""
+        task the API waits for (``POST /tokenize``, api/vllm/service.py)."""
         ev = Wake()
         self._watchers.setdefault(ch, set()).add(ev)
         try:

@@ -1,22 +1,24 @@
-"""``/metrics``: this process's metrics plus every worker's, live queue depths and live workers per stage."""
+"""What ``/metrics`` answers: this process's metrics plus every worker's, live queue depths and
+live workers per stage."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from fastapi import APIRouter, Request, Response
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, multiprocess
 from prometheus_client.core import GaugeMetricFamily
 
-from llmpipe.jobs.admission import STAGE_QUEUES
 from llmpipe.observability.readiness import STAGES, live_workers
+from llmpipe.stages import COLLECT, Stage
+
+_STAGE_QUEUES = tuple(s.value for s in Stage)  # with one model: its inference queue is ``inference``
 
 
 class QueueDepthCollector:
     """``depths``: a reader of llmpipe/broker/queue_depth.py (Redis lists or RabbitMQ queues)."""
 
-    def __init__(self, depths: Any, queues: tuple[str, ...] = STAGE_QUEUES, models: dict[str, str] | None = None):
+    def __init__(self, depths: Any, queues: tuple[str, ...] = _STAGE_QUEUES, models: dict[str, str] | None = None):
         """``queues``: every stage queue, each model's inference queue included; ``models``:
         queue -> the model it serves (an inference queue), for the ``model`` label."""
         self.depths = depths
@@ -27,7 +29,7 @@ class QueueDepthCollector:
         g = GaugeMetricFamily("llmpipe_queue_depth_messages", "Messages waiting in each stage queue.",
                               labels=["queue", "model"])
         try:
-            sample = self.depths.sample((*self.queues, "collect"))
+            sample = self.depths.sample((*self.queues, COLLECT))
         except Exception:  # a scrape while the broker is down reports no depth rather than failing
             return
         for q, d in sample.depths.items():
@@ -58,8 +60,6 @@ class LiveWorkersCollector:
 def build_registries(depths: Any, r: Any, served: Any = None) -> list[CollectorRegistry]:
     """Every process's metrics (multiprocess files, or this process alone) and the queue depths."""
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        from prometheus_client import multiprocess
-
         processes = CollectorRegistry()
         multiprocess.MultiProcessCollector(processes)
     else:
@@ -73,13 +73,3 @@ def build_registries(depths: Any, r: Any, served: Any = None) -> list[CollectorR
         live.register(LiveWorkersCollector(r, served.readiness_stages()))
     return [processes, live]
 
-
-def router(registries: list[CollectorRegistry]) -> APIRouter:
-    rt = APIRouter(tags=["ops"])
-
-    @rt.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
-    def metrics(_: Request) -> Response:
-        """Prometheus metrics of the API and all workers (multiprocess mode)."""
-        return Response(b"".join(generate_latest(reg) for reg in registries), media_type=CONTENT_TYPE_LATEST)
-
-    return rt
