@@ -19,6 +19,11 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
+from llmpipe.broker.queue_depth import is_amqp
+from llmpipe.broker.redis_clients import check_url
+from llmpipe.engines.vllm_args import SETTING_ALIASES
+from llmpipe.models.served import ModelSpecError, model_set
+
 
 class EngineKind(StrEnum):
     VLLM = "vllm"
@@ -194,8 +199,6 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, v: str) -> str:
-        from llmpipe.broker.redis_clients import check_url
-
         return v if v == "embedded" else check_url(v)  # "embedded": `llmpipe up` starts one
 
     @field_validator("models", mode="before")
@@ -208,8 +211,6 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_models(self) -> Settings:
-        from llmpipe.models.served import ModelSpecError
-
         try:
             served = self.served  # names parse and are unique
         except ModelSpecError as exc:
@@ -222,8 +223,6 @@ class Settings(BaseSettings):
     @property
     def served(self):
         """The served models (llmpipe/models/served.py ModelSet): ``models``, else ``model``."""
-        from llmpipe.models.served import model_set
-
         return model_set(self.model, self.models)
 
     @model_validator(mode="before")
@@ -233,8 +232,6 @@ class Settings(BaseSettings):
         setting, so that every stage sees one value; given both ways, it must agree."""
         if not isinstance(data, dict) or not isinstance(data.get("engine_args"), dict):
             return data
-        from llmpipe.engines.vllm_args import SETTING_ALIASES
-
         data, args = dict(data), dict(data["engine_args"])
         for name in SETTING_ALIASES:
             if name not in args:
@@ -253,8 +250,6 @@ class Settings(BaseSettings):
 
     @property
     def broker_is_amqp(self) -> bool:
-        from llmpipe.broker.queue_depth import is_amqp
-
         return is_amqp(self.effective_broker_url)
 
     @property

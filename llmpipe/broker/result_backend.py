@@ -34,6 +34,9 @@ from typing import Any
 from celery import states
 from celery.backends.redis import RedisBackend, SentinelBackend
 
+from llmpipe.broker.requeue import requeued_on
+from llmpipe.settings import get_settings
+
 log = logging.getLogger("llmpipe.broker.result_backend")
 
 
@@ -45,8 +48,6 @@ class OutcomeRedisBackend(RedisBackend):
     def __init__(self, *args: Any, outcome_retry_s: float | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         if outcome_retry_s is None:
-            from llmpipe.settings import get_settings
-
             outcome_retry_s = get_settings().outcome_retry_s
         self.outcome_retry_s = outcome_retry_s
 
@@ -56,8 +57,6 @@ class OutcomeRedisBackend(RedisBackend):
 
     def mark_as_failure(self, task_id, exc, traceback=None, request=None, store_result=True, call_errbacks=True,
                         state=states.FAILURE):
-        from llmpipe.broker.requeue import requeued_on
-
         if requeued_on(exc):  # not a failure: the message is requeued and its next delivery records the outcome
             return None
         if request is None:

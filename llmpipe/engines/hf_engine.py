@@ -35,6 +35,7 @@ from typing import Any
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
 from llmpipe.errors import EngineDeadError, EngineError
 from llmpipe.messages import FinishReason, Logprob
+from llmpipe.models.random_llama import is_random_weights
 from llmpipe.observability.metrics import ENGINE_ABORTS
 
 log = logging.getLogger(__name__)
@@ -62,8 +63,6 @@ def _torch_dtype(torch: Any, dtype: str) -> Any:
 def _load(torch: Any, auto: Any, model: str, dtype: Any, device: str, seed: int) -> Any:
     """A checkpoint, or a random-weight model built on ``device`` from its config
     (llmpipe/models/random_llama.py): no weights to read, and no copy from the CPU."""
-    from llmpipe.models.random_llama import is_random_weights
-
     if not is_random_weights(model):
         return auto.from_pretrained(model, dtype=dtype).to(device)
     from transformers import AutoConfig

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from llmpipe.engines.vllm_args import SETTING_ALIASES, SKIP_TOKENIZER_INIT, EngineArgError, convert_engine_args
 from llmpipe.settings import EngineKind, Settings
 
 
@@ -94,8 +95,6 @@ def engine_config(s: Settings, platform: Platform | None = None, *, vllm_fields:
     Raises EngineArgError for an engine argument vLLM does not have, one of the pipeline's
     own, or a value of the wrong type. ``vllm_fields`` (name -> type) stands in for
     vLLM's AsyncEngineArgs in unit tests."""
-    from llmpipe.engines.vllm_args import SKIP_TOKENIZER_INIT, EngineArgError, convert_engine_args
-
     if platform is None:
         platform = detect_platform()
     kind = EngineKind(s.engine)
@@ -142,8 +141,6 @@ _SECRETS = ("flower_password", "api_keys")
 def check_engine_args(s: Settings) -> None:
     """Raise EngineArgError for engine arguments that cannot work (before anything starts).
     Imports vLLM only when there are some to check."""
-    from llmpipe.engines.vllm_args import SETTING_ALIASES, EngineArgError, convert_engine_args
-
     kind = EngineKind(s.engine)
     if s.engine_args and kind is not EngineKind.VLLM:
         raise EngineArgError(f"engine arguments ({', '.join(sorted(s.engine_args))}) are vLLM's; "

@@ -23,7 +23,9 @@ import time
 from collections import Counter
 from typing import Any
 
+from llmpipe.engines import vllm_core_guard
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
+from llmpipe.engines.vllm_args import OWNED, SKIP_TOKENIZER_INIT
 from llmpipe.engines.vllm_convert import (
     StatsSink,
     as_id_list,
@@ -51,6 +53,24 @@ def _on_cpu() -> bool:
         return True
 
 
+def built_args(engine_args: dict[str, Any], *, kv_cache_gib: float, on_cpu: bool) -> dict[str, Any]:
+    """The AsyncEngineArgs fields the engine is built with, besides ``model`` and
+    ``skip_tokenizer_init``: ``engine_args`` (llmpipe/engines/platform.py) over the engine's
+    own. A None value leaves vLLM's own default. ``llmpipe bench``'s vllm-serve-matched mode
+    gives ``vllm serve`` these."""
+    args: dict[str, Any] = {
+        "dtype": "auto",
+        "seed": 0,
+        # Priority lanes hold inside the engine too: vLLM schedules waiting (and, under KV
+        # pressure, preempts running) requests by priority, lower first (llmpipe/jobs/lanes.py).
+        "scheduling_policy": "priority",
+        "kv_cache_memory_bytes": max(1, int(kv_cache_gib * _GiB)) if on_cpu else None,
+        "disable_log_stats": True,  # our own stat logger below still gets the stats
+        **engine_args,
+    }
+    return {k: v for k, v in args.items() if v is not None}
+
+
 class VllmEngine(Engine):
     name = "vllm"
     continuous = True
@@ -68,38 +88,21 @@ class VllmEngine(Engine):
         """``engine_args``: vLLM AsyncEngineArgs fields (dtype, max_model_len, enforce_eager,
         max_num_seqs, tensor_parallel_size, ...); llmpipe/engines/platform.py chooses them.
         A None value leaves vLLM's own default."""
-        from llmpipe.engines.vllm_args import OWNED, SKIP_TOKENIZER_INIT
-
         owned = sorted(set(engine_args) & set(OWNED))
         if owned:
             raise EngineError(f"engine argument {owned[0]} is set by the pipeline: {OWNED[owned[0]]}")
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         self._on_cpu = _on_cpu()
-        kv_bytes: int | None = None
-        if self._on_cpu:
+        if self._on_cpu and float(kv_cache_gib).is_integer() and kv_cache_gib >= 1:
             # vLLM's CPU platform reads VLLM_CPU_KVCACHE_SPACE (whole GiB) and lets it win
             # over kv_cache_memory_bytes; a fractional size goes through the engine arg.
-            kv_bytes = max(1, int(kv_cache_gib * _GiB))
-            if float(kv_cache_gib).is_integer() and kv_cache_gib >= 1:
-                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
 
         from vllm.engine.arg_utils import AsyncEngineArgs
 
-        from llmpipe.engines import vllm_core_guard
-
         vllm_core_guard.install()  # no orphaned engine core when this worker is killed
         self._model = model
-        args: dict[str, Any] = {
-            "dtype": "auto",
-            "seed": 0,
-            # Priority lanes hold inside the engine too: vLLM schedules waiting (and, under KV
-            # pressure, preempts running) requests by priority, lower first (llmpipe/jobs/lanes.py).
-            "scheduling_policy": "priority",
-            "kv_cache_memory_bytes": kv_bytes,
-            "disable_log_stats": True,  # our own stat logger below still gets the stats
-            **engine_args,
-        }
-        args = {k: v for k, v in args.items() if v is not None}
+        args = built_args(engine_args, kv_cache_gib=kv_cache_gib, on_cpu=self._on_cpu)
         try:
             # The tokenizer is loaded for structured outputs only; prompts stay token ids (vllm_args.py).
             self._args = AsyncEngineArgs(model=model, skip_tokenizer_init=SKIP_TOKENIZER_INIT, **args)

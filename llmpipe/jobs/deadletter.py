@@ -27,6 +27,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from llmpipe.broker.redis_clients import connect
+from llmpipe.settings import get_settings
+
 log = logging.getLogger("llmpipe.jobs.deadletter")
 
 KEY = "llmpipe:deadletter"
@@ -100,9 +103,6 @@ def _format(entries: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m llmpipe.jobs.deadletter``: list (or purge) the dead letters of LLMPIPE_REDIS_URL."""
-    from llmpipe.broker.redis_clients import connect
-    from llmpipe.settings import get_settings
-
     ap = argparse.ArgumentParser(prog="llmpipe deadletter", description=main.__doc__)
     ap.add_argument("--redis-url", default=None)
     ap.add_argument("--limit", type=int, default=50)

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 
 from llmpipe.models.errors import ModelPreparationError
+from llmpipe.models.smollm2 import prepare_smollm2
+from llmpipe.models.tiny import build_tiny
 
 TINY_DIR = "tiny"
 SMOLLM2_DIR = "smollm2-135m-instruct"
@@ -33,12 +35,8 @@ def resolve_model(name: str, models_dir: Path, progress: bool = False) -> str:
     alias = name.lower()
     models_dir = Path(models_dir).expanduser()
     if alias == "tiny":
-        from llmpipe.models.tiny import build_tiny
-
         return str(build_tiny(models_dir / TINY_DIR))
     if alias == "smollm2":
-        from llmpipe.models.smollm2 import prepare_smollm2
-
         return str(prepare_smollm2(models_dir / SMOLLM2_DIR, progress=progress))
     path = Path(name).expanduser()
     if path.is_dir():

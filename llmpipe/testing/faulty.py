@@ -44,8 +44,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from llmpipe.broker.redis_clients import from_settings
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
 from llmpipe.errors import EngineDeadError, EngineError
+from llmpipe.settings import get_settings
 
 log = logging.getLogger("llmpipe.faulty")
 
@@ -204,7 +206,6 @@ def wrap_from_env(engine: Engine, settings: Any, model_path: str | None) -> Engi
     spec = FaultSpec.from_env()
     if spec is None:
         return engine
-    from llmpipe.broker.redis_clients import from_settings
 
     tok = None
     lock = threading.Lock()
@@ -247,15 +248,11 @@ def install_task_hooks() -> None:
         return
     from celery.signals import task_prerun
 
-    from llmpipe.settings import get_settings
-
     delays = dict(spec.task_delay_s)
     clients: dict[int, Any] = {}  # one client per process (prefork children fork after this)
 
     @task_prerun.connect(weak=False)
     def _delay(sender=None, task=None, **_):
-        from llmpipe.broker.redis_clients import from_settings
-
         name = getattr(task, "name", None) or getattr(sender, "name", "")
         r = clients.get(os.getpid())
         if r is None:
