@@ -17,6 +17,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+# The stages are owned by llmpipe/stages.py; the messages name theirs with it, and
+# ``from llmpipe.messages import Stage`` keeps working.
+from llmpipe.stages import Stage
+
 
 class FinishReason(StrEnum):
     """Why a prompt's generation ended. Part of the public API."""
@@ -59,12 +63,6 @@ class JobStatus(StrEnum):
     @property
     def terminal(self) -> bool:
         return self not in (JobStatus.QUEUED, JobStatus.RUNNING)
-
-
-class Stage(StrEnum):
-    PREPROCESS = "preprocess"
-    INFERENCE = "inference"
-    POSTPROCESS = "postprocess"
 
 
 class _Msg(BaseModel):

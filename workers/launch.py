@@ -7,6 +7,11 @@ import sys
 from dataclasses import dataclass
 
 from llmpipe.settings import Settings
+from llmpipe.stages import COLLECT, CPU_STAGES, Stage, inference_queue
+
+# The kind a worker was started as (``llmpipe worker KIND``, ``llmpipe up``); what it warms
+# and whether it runs the watchdog follow it (workers/pool_policy.py).
+KIND_ENV = "LLMPIPE_WORKER_KIND"
 
 
 @dataclass(frozen=True)
@@ -17,45 +22,47 @@ class WorkerKind:
     prefetch: int
 
     def concurrency(self, s: Settings) -> int:
-        if self.name == "inference":
+        if self.name == Stage.INFERENCE:
             # One thread per request in flight: a full batch running plus a full batch forming.
             return max(4, 2 * s.max_batch_size)
-        if self.name == "collect":
+        if self.name == COLLECT:
             return 1
         return max(1, s.cpu_workers)
 
 
+_PRE, _INF, _POST = Stage.PREPROCESS.value, Stage.INFERENCE.value, Stage.POSTPROCESS.value
 KINDS: dict[str, WorkerKind] = {
     # CPU pools: prefork, one reserved message per process so no process hoards work.
-    "preprocess": WorkerKind("preprocess", ("preprocess",), "prefork", 1),
+    _PRE: WorkerKind(_PRE, (_PRE,), "prefork", 1),
     # The chord callback is light; postprocess workers also serve it unless a collect
     # worker is run on its own.
-    "postprocess": WorkerKind("postprocess", ("postprocess", "collect"), "prefork", 1),
-    "collect": WorkerKind("collect", ("collect",), "solo", 1),
+    _POST: WorkerKind(_POST, (_POST, COLLECT), "prefork", 1),
+    COLLECT: WorkerKind(COLLECT, (COLLECT,), "solo", 1),
     # The engine lives in one process: AsyncLLM spawns a child, so never a daemonic
     # prefork child. Threads hand requests to the in-process batcher.
-    "inference": WorkerKind("inference", ("inference",), "threads", 1),
+    _INF: WorkerKind(_INF, (_INF,), "threads", 1),
 }
 
 
 def pool_of(kind: str, s: Settings) -> str:
     """The CPU stages' pool is a setting (cpu_pool); the others' are fixed."""
     k = KINDS[kind]
-    return s.cpu_pool if kind in ("preprocess", "postprocess") else k.pool
+    return s.cpu_pool if kind in CPU_STAGES else k.pool
 
 
 def queues_of(kind: str, s: Settings, model: str | None = None) -> tuple[str, ...]:
     """The queues a worker of ``kind`` consumes. An inference worker serves one model
     (``model``, default the first): its queue, ``inference`` with one model, else
     ``inference.<name>`` (llmpipe/models/served.py). The CPU stages serve every model."""
-    if kind == "inference":
+    if kind == Stage.INFERENCE:
         return (s.served.get(model).queue,)
     return KINDS[kind].queues
 
 
 def node_of(kind: str, s: Settings, model: str | None = None) -> str:
     """``inference.tiny`` for one model's inference worker when there are several, else the kind."""
-    return f"inference.{s.served.get(model).name}" if kind == "inference" and s.served.several else kind
+    several = kind == Stage.INFERENCE and s.served.several
+    return inference_queue(s.served.get(model).name) if several else kind
 
 
 def worker_argv(kind: str, s: Settings, *, concurrency: int | None = None, name: str | None = None,

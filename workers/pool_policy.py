@@ -30,19 +30,24 @@ import shlex
 import sys
 from dataclasses import dataclass
 
+import click
+from celery.concurrency import ALIASES as POOL_ALIASES
 from celery.signals import celeryd_after_setup, worker_init
+from celery.utils.nodenames import gethostname
+from click.core import ParameterSource
 
-from llmpipe.models.served import is_inference_queue, stage_of
+from llmpipe.models.served import INFERENCE_PREFIX, is_inference_queue, stage_of
 from llmpipe.settings import Settings, get_settings
+from llmpipe.stages import STAGE_QUEUES, ExitCode, Stage, inference_queue
 from workers.context import WORKER_MODEL_ENV
-from workers.launch import KINDS
+from workers.launch import KIND_ENV, KINDS
 
 log = logging.getLogger("llmpipe.worker")
 
-STAGES = frozenset({"preprocess", "inference", "postprocess", "collect"})
+STAGES = frozenset(STAGE_QUEUES)
 ALL = "all"  # the kind of a worker that serves every stage (no -Q)
-EXIT_WRONG_POOL = 64  # sysexits' EX_USAGE: the command line cannot serve these queues
-KIND_ENV = "LLMPIPE_WORKER_KIND"
+EXIT_WRONG_POOL = ExitCode.WRONG_POOL
+_INFERENCE = Stage.INFERENCE.value
 
 
 @dataclass(frozen=True)
@@ -78,8 +83,8 @@ def kind_of(stages: frozenset[str]) -> str | None:
     for name, k in KINDS.items():
         if frozenset(k.queues) == stages:
             return name
-    if stages == {"postprocess"}:
-        return "postprocess"
+    if stages == {Stage.POSTPROCESS}:
+        return Stage.POSTPROCESS.value
     return ALL if stages == STAGES else None
 
 
@@ -97,7 +102,7 @@ def plan(started: Started, s: Settings, hostname: str) -> Plan:
     kind = started.kind_env if started.kind_env else kind_of(consumed)
     stages = stages_of(kind, tuple(stage_of(q) for q in started.queues))
     model = None
-    if "inference" in consumed | stages:
+    if _INFERENCE in consumed | stages:
         mine = sorted({q for q in started.queues if is_inference_queue(q)} & set(s.served.inference_queues))
         if len(mine) > 1:  # one process holds one engine
             return Plan(kind, stages, refusal=(
@@ -105,11 +110,11 @@ def plan(started: Started, s: Settings, hostname: str) -> Plan:
                 f"start one per model, e.g.: celery -A tasks worker -Q {mine[0]} (or: llmpipe worker inference "
                 f"--model {s.served.for_queue(mine[0]).name})"))
         model = s.served.for_queue(mine[0]).name if mine else None
-    base = f"inference.{model}" if kind == "inference" and model and s.served.several else kind
+    base = inference_queue(model) if kind == _INFERENCE and model and s.served.several else kind
     node = f"{base}@{hostname}" if kind in KINDS and not started.name_given else None
-    if "inference" not in consumed | stages:
+    if _INFERENCE not in consumed | stages:
         return Plan(kind, stages, node=node)
-    inference = KINDS["inference"]
+    inference = KINDS[_INFERENCE]
     n = started.concurrency if started.concurrency_given else inference.concurrency(s)
     if started.pool != inference.pool and started.pool_given:
         return Plan(kind, stages, refusal=_refusal(started, n), model=model)
@@ -118,12 +123,12 @@ def plan(started: Started, s: Settings, hostname: str) -> Plan:
 
 
 def _refusal(started: Started, n: int) -> str:
-    inference = KINDS["inference"]
+    inference = KINDS[_INFERENCE]
     queues = [] if STAGES <= set(started.queues) else ["-Q", ",".join(started.queues)]
     cmd = shlex.join(["celery", "-A", "tasks", "worker", *queues, "-P", inference.pool, "-c", str(n),
                       "--prefetch-multiplier", str(inference.prefetch)])
-    alt = (" (or: llmpipe worker inference)" if set(started.queues) == {"inference"} else
-           f" (or: llmpipe worker inference --model {started.queues[0].removeprefix('inference.')})"
+    alt = (" (or: llmpipe worker inference)" if set(started.queues) == {_INFERENCE} else
+           f" (or: llmpipe worker inference --model {started.queues[0].removeprefix(INFERENCE_PREFIX)})"
            if len(started.queues) == 1 and is_inference_queue(started.queues[0]) else "")
     why = _WHY.get(started.pool, "the engine and its batcher live in one process, fed by one thread per request")
     return (f"llmpipe: the inference queue needs -P {inference.pool}, not -P {started.pool} ({why}); "
@@ -152,20 +157,15 @@ def serves(*stages: str) -> bool:
 
 def pool_name(pool_cls) -> str:
     """Celery's alias for a pool class or name (``prefork``, ``threads``, ...)."""
-    from celery import concurrency
-
     if isinstance(pool_cls, str):
         return pool_cls
     target = f"{pool_cls.__module__}:{pool_cls.__qualname__}"
-    return next((alias for alias, path in concurrency.ALIASES.items() if path == target), target)
+    return next((alias for alias, path in POOL_ALIASES.items() if path == target), target)
 
 
 def _given(name: str) -> bool | None:
     """Whether the ``celery worker`` option ``name`` came from the command line (or its
     CELERY_WORKER_* variable); None outside Celery's command line."""
-    import click
-    from click.core import ParameterSource
-
     ctx = click.get_current_context(silent=True)
     if ctx is None or name not in ctx.params:
         return None
@@ -188,8 +188,6 @@ def started_from(worker) -> Started:
 @worker_init.connect
 def _apply(sender=None, **_):
     global _stages
-    from celery.utils.nodenames import gethostname
-
     started = started_from(sender)
     p = plan(started, get_settings(), gethostname())
     if p.refusal is not None:

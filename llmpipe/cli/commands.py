@@ -4,10 +4,24 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import click
+from pydantic import ValidationError
 
-from llmpipe.settings import EngineKind, Settings
+from llmpipe.cli.client import cancel, chat, submit
+from llmpipe.engines.platform import describe_config
+from llmpipe.engines.vllm_args import EngineArgError, parse_pairs
+from llmpipe.errors import ModelNotFoundError
+from llmpipe.jobs.deadletter import main as deadletter_main
+from llmpipe.local import up as local_up
+from llmpipe.local.pipeline import flower_argv
+from llmpipe.models.registry import resolve_model
+from llmpipe.models.smollm2 import prepare_smollm2
+from llmpipe.models.tiny import build_tiny
+from llmpipe.settings import ConfigFileError, EngineKind, Settings
+from llmpipe.stages import STAGE_QUEUES
+from workers.launch import KIND_ENV, celery_command, worker_argv
 
 
 def _overrides(**kw) -> dict:
@@ -22,10 +36,6 @@ def main() -> None:
 def load_settings(**overrides) -> Settings:
     """Settings from flags (``overrides``), the environment and the config file, or a
     one-line error."""
-    from pydantic import ValidationError
-
-    from llmpipe.settings import ConfigFileError
-
     try:
         return Settings(**_overrides(**overrides))
     except ConfigFileError as exc:
@@ -65,9 +75,6 @@ def load_settings(**overrides) -> Settings:
 def up(model, engine, redis_url, cpu_workers, batch_window_ms, max_batch_size, port, flower_port, no_flower,
        config_file, state_dir, ready_timeout, quiet, verbose, engine_args, print_config):
     """Start Redis (if needed), the workers, the API and Flower; Ctrl-C stops them."""
-    from llmpipe.engines.vllm_args import EngineArgError, parse_pairs
-    from llmpipe.local.up import run_up
-
     if config_file:
         os.environ["LLMPIPE_CONFIG"] = os.path.abspath(config_file)
     try:
@@ -78,14 +85,12 @@ def up(model, engine, redis_url, cpu_workers, batch_window_ms, max_batch_size, p
                       batch_window_ms=batch_window_ms, max_batch_size=max_batch_size, api_port=port,
                       flower_port=flower_port, state_dir=state_dir, engine_args=passed)
     if print_config:
-        from llmpipe.engines.platform import describe_config
-
         try:
             click.echo(describe_config(s))
         except EngineArgError as exc:
             raise click.ClickException(str(exc)) from None
         return
-    sys.exit(run_up(s, flower=not no_flower, echo=not quiet, redis_explicit="redis_url" in s.model_fields_set,
+    sys.exit(local_up.run_up(s, flower=not no_flower, echo=not quiet, redis_explicit="redis_url" in s.model_fields_set,
                     ready_timeout=ready_timeout, verbose=verbose))
 
 
@@ -97,7 +102,7 @@ def _model_overrides(specs: tuple[str, ...]) -> dict:
 
 
 @main.command()
-@click.argument("kind", type=click.Choice(["preprocess", "inference", "postprocess", "collect"]))
+@click.argument("kind", type=click.Choice(list(STAGE_QUEUES)))
 @click.option("--model", help="inference only: the served model (by name) whose queue it serves; default the first.")
 @click.option("--concurrency", "-c", type=int)
 @click.option("--name", "-n", help="Worker node name (default KIND@hostname).")
@@ -105,9 +110,6 @@ def _model_overrides(specs: tuple[str, ...]) -> dict:
 @click.option("--print", "print_only", is_flag=True, help="Print the celery command line instead of running it.")
 def worker(kind, model, concurrency, name, loglevel, print_only):
     """Run one Celery worker for one queue (the celery command line of README.md)."""
-    from llmpipe.errors import ModelNotFoundError
-    from workers.launch import celery_command, worker_argv
-
     s = load_settings()
     try:
         if print_only:
@@ -116,7 +118,7 @@ def worker(kind, model, concurrency, name, loglevel, print_only):
         argv = worker_argv(kind, s, concurrency=concurrency, name=name, loglevel=loglevel, model=model)
     except ModelNotFoundError as exc:
         raise click.ClickException(exc.message) from None
-    os.environ["LLMPIPE_WORKER_KIND"] = kind
+    os.environ[KIND_ENV] = kind
     os.execv(argv[0], argv)
 
 
@@ -138,8 +140,6 @@ def api(host, port, workers):
 @click.option("--address", default="127.0.0.1")
 def flower(port, address):
     """Run Flower with basic auth (LLMPIPE_FLOWER_USER / LLMPIPE_FLOWER_PASSWORD)."""
-    from llmpipe.local.pipeline import flower_argv
-
     s = load_settings()
     if not s.flower_password and address not in ("127.0.0.1", "localhost", "::1"):
         raise click.ClickException(f"set LLMPIPE_FLOWER_PASSWORD to serve Flower on {address} (basic auth)")
@@ -152,18 +152,11 @@ def flower(port, address):
 @click.option("--dest", type=click.Path(), help="Output folder (default: the state dir's models/); one model only.")
 def model(names, dest):
     """Prepare models offline: the tiny test Llama and/or SmolLM2-135M-Instruct (each once)."""
-    from pathlib import Path
-
-    from llmpipe.models.registry import resolve_model
-
     s = load_settings()
     if dest and len(names) > 1:
         raise click.ClickException("--dest takes one model")
     for name in dict.fromkeys(names):
         if dest:
-            from llmpipe.models.smollm2 import prepare_smollm2
-            from llmpipe.models.tiny import build_tiny
-
             path = (build_tiny if name == "tiny" else prepare_smollm2)(Path(dest))
         else:
             path = resolve_model(name, s.models_dir, progress=True)
@@ -174,12 +167,8 @@ def model(names, dest):
 @click.pass_context
 def deadletter(ctx):
     """List (or --purge) dead-lettered requests: [--json] [--limit N] [--purge] [--redis-url URL]."""
-    from llmpipe.jobs.deadletter import main as deadletter_main
-
     sys.exit(deadletter_main(ctx.args))
 
-
-from llmpipe.cli.client import cancel, chat, submit  # noqa: E402
 
 main.add_command(submit)
 main.add_command(chat)

@@ -27,15 +27,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmpipe.jobs.lanes import PRIORITY_STEPS, Lane, queue_keys
+from llmpipe.stages import Stage
 
-STAGE_QUEUES = ("preprocess", "inference", "postprocess")
 
-
-def stage_queues(inference_queue: str = "inference") -> tuple[str, ...]:
+def stage_queues(inference_queue: str = Stage.INFERENCE.value) -> tuple[str, ...]:
     """The queues a job passes through: with several models its model's own inference queue
     (``inference.tiny``, llmpipe/models/served.py), so a model whose queue is backed up gets
     429 for its own requests while the other models' are still admitted."""
-    return ("preprocess", inference_queue, "postprocess")
+    return (Stage.PREPROCESS.value, inference_queue, Stage.POSTPROCESS.value)
+
+
+# The stage queues that admission counts (the chord callback's is not one): one model's.
+STAGE_QUEUES = stage_queues()
+
 _PENDING = "llmpipe:admission:pending"  # zset job -> admitted_at, until its messages are published
 _TOKENS = "llmpipe:admission:tokens"  # total reserved tokens
 _JOBS = "llmpipe:admission:jobs"  # zset job -> deadline
@@ -170,7 +174,7 @@ class Admission:
         return (_share(self.max_queue_depth, self.batch_share), _share(self.max_queued_tokens, self.batch_share))
 
     def try_admit(self, job_id: str, tokens: int, deadline: float, lane: Lane = Lane.INTERACTIVE,
-                  inference_queue: str = "inference") -> Decision:
+                  inference_queue: str = Stage.INFERENCE.value) -> Decision:
         """``inference_queue``: the job's model's (each model's queue has its own depth limit;
         the CPU stages' queues and the queued tokens are shared by every model)."""
         if not self.enabled:

@@ -18,15 +18,15 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
+from llmpipe.broker.redis_clients import celery_probe
 from llmpipe.local.restarts import RestartPolicy
 from llmpipe.local.supervisor import Child, Crash, Supervisor, how_exited, python_env
 from llmpipe.settings import Settings
+from llmpipe.stages import START_FAILURES, Stage
+from workers.launch import KIND_ENV, worker_argv
 
-WORKER_KINDS = ("preprocess", "inference", "postprocess")
-# Exit codes of a child that cannot start as configured (workers/signals.py EXIT_CANNOT_WARM,
-# workers/pool_policy.py EXIT_WRONG_POOL): before the stack first served, restarting it only
-# repeats the error, so `llmpipe up` stops with its reason instead.
-START_FAILURES = frozenset({3, 64})
+# One worker per stage, in pipeline order (postprocess workers serve the chord callback too).
+WORKER_KINDS = tuple(stage.value for stage in Stage)
 
 
 class PipelineError(Exception):
@@ -128,17 +128,15 @@ class LocalPipeline:
     def children_of(self, kind: str) -> list[tuple[str, str | None]]:
         """(child name, model) of each worker of ``kind``: one inference worker per served
         model (``inference.<name>`` with several models, llmpipe/models/served.py), one of any other kind."""
-        if kind == "inference" and self.s.served.several:
+        if kind == Stage.INFERENCE and self.s.served.several:
             return [(f"inference.{m.name}", m.name) for m in self.s.served.models]
         return [(kind, None)]
 
     def start(self) -> LocalPipeline:
-        from workers.launch import worker_argv
-
         for kind in self.kinds:
             for child, model in self.children_of(kind):
                 self.sup.spawn(child, worker_argv(kind, self.s, name=f"{child}-{self.s.api_port}@llmpipe", model=model),
-                               {**self.env, "LLMPIPE_WORKER_KIND": kind}, self._policy())
+                               {**self.env, KIND_ENV: kind}, self._policy())
         if self.api:
             self.sup.spawn("api", [sys.executable, "-m", "llmpipe.cli", "api", "--host", "127.0.0.1",
                                    "--port", str(self.s.api_port)], self.env, self._policy())
@@ -174,8 +172,6 @@ class LocalPipeline:
         """Until every worker answers a ping and the API answers. Raises PipelineError when
         a child exits (with ``restarts``: when ``tend`` does) or at ``timeout``; returns
         False when ``stop_event`` is set."""
-        from llmpipe.broker.redis_clients import celery_probe
-
         probe = celery_probe(self.s.effective_broker_url, self.s.redis_url, self.s.redis_sentinel_master)
         want = {child for kind in self.kinds for child, _ in self.children_of(kind)}
         end = time.monotonic() + timeout

@@ -21,8 +21,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from llmpipe.errors import ModelNotFoundError
+from llmpipe.stages import COLLECT, Stage
+from llmpipe.stages import inference_queue as _queue_of
 
-INFERENCE = "inference"
+INFERENCE = Stage.INFERENCE.value
 INFERENCE_PREFIX = INFERENCE + "."
 # Queue-, metric-label- and file-name-safe; what Kubernetes names need is the manifests' concern.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -75,7 +77,8 @@ def parse_spec(spec: str) -> tuple[str, str]:
 
 
 def inference_queue(name: str, several: bool) -> str:
-    return f"{INFERENCE_PREFIX}{name}" if several else INFERENCE
+    """The queue of model ``name``: its own only when several models are served."""
+    return _queue_of(name if several else None)
 
 
 def is_inference_queue(queue: str) -> bool:
@@ -130,11 +133,11 @@ class ModelSet:
 
     def stage_queues(self) -> tuple[str, ...]:
         """Every queue a job passes through, in pipeline order (admission, depth gauges)."""
-        return ("preprocess", *self.inference_queues, "postprocess")
+        return (Stage.PREPROCESS.value, *self.inference_queues, Stage.POSTPROCESS.value)
 
     def readiness_stages(self) -> tuple[str, ...]:
         """What a job needs a live worker for: each stage, each model's inference queue on its own."""
-        return ("preprocess", *self.inference_queues, "postprocess", "collect")
+        return (Stage.PREPROCESS.value, *self.inference_queues, Stage.POSTPROCESS.value, COLLECT)
 
     def get(self, requested: str | None) -> ServedModel:
         """The model a request names (None: the default); ModelNotFoundError (404) otherwise."""

@@ -15,10 +15,12 @@ import logging
 import threading
 from typing import Any
 
+from llmpipe.stages import STAGE_QUEUES
+
 log = logging.getLogger("llmpipe.worker")
 
 # What a job needs: every stage of the chain and the chord callback.
-STAGES = ("preprocess", "inference", "postprocess", "collect")
+STAGES = STAGE_QUEUES
 _PREFIX = "llmpipe:ready:"
 
 
