@@ -25,8 +25,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
+from llmpipe.broker.redis_clients import safe_url
+from llmpipe.engines.platform import check_engine_args
+from llmpipe.engines.vllm_args import EngineArgError
 from llmpipe.local.pipeline import LocalPipeline, PipelineError
 from llmpipe.local.redis_server import EmbeddedRedis, port_in_use, redis_answers
+from llmpipe.models.registry import resolve_model
 from llmpipe.settings import Settings
 
 EMBEDDED = "embedded"
@@ -67,58 +71,13 @@ def check_model_path(path: str) -> None:
 
 def run_up(s: Settings, *, flower: bool = True, echo: bool = True, redis_explicit: bool = False,
            ready_timeout: float = 600.0, stop_timeout: float = 120.0, verbose: bool = False) -> int:
-    from llmpipe.models.registry import resolve_model
-
     console = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
-    out = Console(highlight=False, soft_wrap=True)
-    embedded: EmbeddedRedis | None = None
-    pipeline: LocalPipeline | None = None
-    force = threading.Event()
-    stopping = threading.Event()
-    started = time.monotonic()
-
-    def on_signal(signum, frame):
-        if stopping.is_set():
-            if not force.is_set():
-                console.print("forcing shutdown", style="red")
-            force.set()
-            return
-        stopping.set()
-        if pipeline is None:
-            raise _Interrupted()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in _SIGNALS}
+    run = _Run(console, Console(highlight=False, soft_wrap=True))
+    previous = {sig: signal.signal(sig, run.on_signal) for sig in _SIGNALS}
     code = 0
     try:
-        for port, what, flag in [(s.api_port, "API", "--port"), *([(s.flower_port, "Flower", "--flower-port")] if flower else [])]:
-            if port_in_use(port):
-                raise PipelineError(f"port {port} for the {what} is already in use (choose another with {flag})")
-        _check_engine_args(s)
-        configured = _configured_redis(s, redis_explicit)
-        # Every served model is prepared once here, before its workers start (llmpipe/models/served.py).
-        for m in s.served.models:
-            try:
-                model_path = resolve_model(m.source, s.models_dir, progress=True)
-            except Exception as exc:
-                raise PipelineError(f"model {m.source}: {exc}") from None
-            check_model_path(model_path)
-            queue = f", queue {m.queue}" if s.served.several else ""
-            console.print(f"model: {m.id} ({model_path}{queue}); engine: {s.engine.value}")
-        embedded, s = _redis(s, configured, console)
-        if flower and not s.flower_password:
-            s = s.model_copy(update={"flower_password": secrets.token_urlsafe(12)})
-        # The console: our own lines and the children's warnings and errors; --verbose: everything.
-        pipeline = LocalPipeline(s, flower=flower, echo=echo, console=console, extra_env=child_env(s),
-                                 echo_level=logging.DEBUG if verbose else logging.WARNING, restarts=True)
-        pipeline.start()
-        with console.status("starting") as status:
-            ready = pipeline.wait_ready(ready_timeout, status=status, stop_event=stopping)
-        if ready:
-            _print_ready(out, s, flower, embedded, pipeline, time.monotonic() - started)
-        while not stopping.is_set():
-            pipeline.tend()  # restarts a child that exited on its own; raises when it gives up on one
-            stopping.wait(0.2)
-        code = 0 if ready else 130
+        code = run.serve(s, flower=flower, echo=echo, verbose=verbose, redis_explicit=redis_explicit,
+                         ready_timeout=ready_timeout)
     except _Interrupted:
         console.print("llmpipe up: interrupted", style="yellow")
         code = 130
@@ -132,29 +91,95 @@ def run_up(s: Settings, *, flower: bool = True, echo: bool = True, redis_explici
                       style="red")
         code = 1
     finally:
-        stopping.set()
-        if pipeline is not None:
-            if code in (0, 130):
-                console.print("warm shutdown: running requests finish, queued jobs stay in Redis "
-                              "(Ctrl-C again to force)", style="yellow")
-            if not pipeline.stop(timeout=stop_timeout, force_event=force):
-                if not force.is_set():
-                    console.print(f"not stopped after {stop_timeout:.0f}s: killed what was left", style="red")
-                code = code or 130
-        if embedded is not None:
-            embedded.stop()
+        code = run.stop(code, stop_timeout)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if pipeline is not None or embedded is not None:
-            console.print("stopped" + (" (forced)" if force.is_set() else ""))
     return code
+
+
+class _Run:
+    """One ``llmpipe up``: what it started (the pipeline, an embedded Redis) and its
+    signals (the first stops it warm, the second forces)."""
+
+    def __init__(self, console: Console, out: Console):
+        self.console = console
+        self.out = out
+        self.embedded: EmbeddedRedis | None = None
+        self.pipeline: LocalPipeline | None = None
+        self.force = threading.Event()
+        self.stopping = threading.Event()
+        self.started = time.monotonic()
+
+    def on_signal(self, signum, frame) -> None:
+        if self.stopping.is_set():
+            if not self.force.is_set():
+                self.console.print("forcing shutdown", style="red")
+            self.force.set()
+            return
+        self.stopping.set()
+        if self.pipeline is None:
+            raise _Interrupted()
+
+    def serve(self, s: Settings, *, flower: bool, echo: bool, verbose: bool, redis_explicit: bool,
+              ready_timeout: float) -> int:
+        """Start everything, then tend it until a signal; 130 when stopped before ready."""
+        configured = _preflight(s, flower, redis_explicit, self.console)
+        self.embedded, s = _redis(s, configured, self.console)
+        if flower and not s.flower_password:
+            s = s.model_copy(update={"flower_password": secrets.token_urlsafe(12)})
+        # The console: our own lines and the children's warnings and errors; --verbose: everything.
+        self.pipeline = LocalPipeline(s, flower=flower, echo=echo, console=self.console, extra_env=child_env(s),
+                                      echo_level=logging.DEBUG if verbose else logging.WARNING, restarts=True)
+        self.pipeline.start()
+        with self.console.status("starting") as status:
+            ready = self.pipeline.wait_ready(ready_timeout, status=status, stop_event=self.stopping)
+        if ready:
+            _print_ready(self.out, s, flower, self.embedded, self.pipeline, time.monotonic() - self.started)
+        while not self.stopping.is_set():
+            self.pipeline.tend()  # restarts a child that exited on its own; raises when it gives up on one
+            self.stopping.wait(0.2)
+        return 0 if ready else 130
+
+    def stop(self, code: int, stop_timeout: float) -> int:
+        """Stop every child (warm, unless forced) and the embedded Redis; the exit code."""
+        self.stopping.set()
+        if self.pipeline is not None:
+            if code in (0, 130):
+                self.console.print("warm shutdown: running requests finish, queued jobs stay in Redis "
+                                   "(Ctrl-C again to force)", style="yellow")
+            if not self.pipeline.stop(timeout=stop_timeout, force_event=self.force):
+                if not self.force.is_set():
+                    self.console.print(f"not stopped after {stop_timeout:.0f}s: killed what was left", style="red")
+                code = code or 130
+        if self.embedded is not None:
+            self.embedded.stop()
+        if self.pipeline is not None or self.embedded is not None:
+            self.console.print("stopped" + (" (forced)" if self.force.is_set() else ""))
+        return code
+
+
+def _preflight(s: Settings, flower: bool, redis_explicit: bool, console: Console) -> bool:
+    """What can be checked before anything starts: the ports, the engine arguments, the
+    configured Redis (whether it answers) and every served model, prepared once here
+    before its workers start (llmpipe/models/served.py)."""
+    for port, what, flag in [(s.api_port, "API", "--port"), *([(s.flower_port, "Flower", "--flower-port")] if flower else [])]:
+        if port_in_use(port):
+            raise PipelineError(f"port {port} for the {what} is already in use (choose another with {flag})")
+    _check_engine_args(s)
+    configured = _configured_redis(s, redis_explicit)
+    for m in s.served.models:
+        try:
+            model_path = resolve_model(m.source, s.models_dir, progress=True)
+        except Exception as exc:
+            raise PipelineError(f"model {m.source}: {exc}") from None
+        check_model_path(model_path)
+        queue = f", queue {m.queue}" if s.served.several else ""
+        console.print(f"model: {m.id} ({model_path}{queue}); engine: {s.engine.value}")
+    return configured
 
 
 def _check_engine_args(s: Settings) -> None:
     """A typo in an engine argument is one line now, not an engine that fails to start later."""
-    from llmpipe.engines.platform import check_engine_args
-    from llmpipe.engines.vllm_args import EngineArgError
-
     try:
         check_engine_args(s)
     except EngineArgError as exc:
@@ -163,8 +188,6 @@ def _check_engine_args(s: Settings) -> None:
 
 def _safe(url: str) -> str:
     """The URL without its password (every part of a Sentinel URL)."""
-    from llmpipe.broker.redis_clients import safe_url
-
     return safe_url(url)
 
 
