@@ -11,6 +11,8 @@ at most 0.15x the batch lane's p50, and every batch job finishes (no starvation)
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -18,8 +20,15 @@ from pathlib import Path
 
 import httpx
 
+from llmpipe.bench.burn import LOADER
 from llmpipe.bench.loadgen import TERMINAL, ClientPool, JobsClient, Sample, _one, apply_view
+from llmpipe.bench.modes import BASE_ENV, EngineSetup, Mode
+from llmpipe.bench.prompts import count_tokens, make_prompts
 from llmpipe.bench.stats import percentile
+from llmpipe.jobs.lanes import batch_lane_slots
+from llmpipe.local.pipeline import LocalPipeline
+from llmpipe.local.redis_server import EmbeddedRedis
+from llmpipe.settings import EngineKind, Settings
 
 TARGET_RATIO = 0.15
 
@@ -174,27 +183,9 @@ def markdown(res: dict, o: PriorityOptions, conditions: str) -> str:
     ])
 
 
-def bench_priority(model_path: str, tokenizer, sim: dict, out: Path, console, *, max_batch: int = 32,
-                   cpu_workers: int = 2, o: PriorityOptions | None = None) -> int:
-    import json
-    import os
-
-    from llmpipe.bench.modes import BASE_ENV, EngineSetup, Mode
-    from llmpipe.bench.prompts import count_tokens, make_prompts
-    from llmpipe.jobs.lanes import batch_lane_slots
-    from llmpipe.local.pipeline import LocalPipeline
-    from llmpipe.local.redis_server import EmbeddedRedis
-    from llmpipe.settings import EngineKind, Settings
-
-    o = o or PriorityOptions()
-    prompts = make_prompts(tokenizer, 64, o.prompt_tokens)
-    measured = sum(count_tokens(tokenizer, p) for p in prompts[:20]) / 20
-    setup = EngineSetup(key="simulated", kind=EngineKind.SIMULATED, label="SIMULATED GPU", model_path=model_path,
-                        max_model_len=max(2048, o.prompt_tokens * 2 + o.max_tokens), max_batch=max_batch,
-                        cpu_workers=cpu_workers, sim=dict(sim))
-    out.mkdir(parents=True, exist_ok=True)
+def _run(setup: EngineSetup, prompts: list[str], o: PriorityOptions, out: Path, console) -> tuple[dict, Settings]:
+    """One pipeline, admission as shipped, the load of ``drive``; the engine's log split."""
     redis_srv = EmbeddedRedis(out / "redis", appendonly=False).start()
-    load_start = os.getloadavg()
     try:
         s = setup.settings(Mode("priority", "pipeline", 0, True), redis_srv.url, out / "state")
         defaults = Settings()
@@ -204,8 +195,6 @@ def bench_priority(model_path: str, tokenizer, sim: dict, out: Path, console, *,
                                  "default_timeout_s": o.timeout_s, "max_timeout_s": o.timeout_s})
         env = dict(BASE_ENV)
         if setup.burns:
-            from llmpipe.bench.burn import LOADER
-
             env["CELERY_LOADER"] = LOADER
         p = LocalPipeline(s, flower=False, echo=False, console=console, extra_env=env, log_dir=out / "logs").start()
         try:
@@ -223,15 +212,38 @@ def bench_priority(model_path: str, tokenizer, sim: dict, out: Path, console, *,
                                      o.batch_priority)
     finally:
         redis_srv.stop()
-    load_end = os.getloadavg()
-    conditions = (
-        f"Conditions: SIMULATED GPU{' scheduled step by step as vLLM v1 with scheduling_policy=priority and chunked prefill (--sim-continuous; 2048 tokens per step; batch lane in at most ' + str(batch_lane_slots(s.lane_batch_share, max_batch)) + ' running slots)' if sim.get('sim_continuous') else ', whole batches (no preemption)'} (prefill {sim['sim_prefill_ms_per_token']} ms/token, step {sim['sim_step_ms']} ms "
-        f"+ {sim['sim_step_ms_per_seq']} ms per extra sequence; CPU burn {sim.get('sim_preprocess_cpu_ms', 0):g} ms "
-        f"preprocess, {sim.get('sim_postprocess_cpu_ms', 0):g} ms postprocess), max batch {max_batch}, window 0 ms, "
+    return res, s
+
+
+def _conditions(sim: dict, s: Settings, o: PriorityOptions, max_batch: int, cpu_workers: int, measured: float,
+                load: tuple[float, float]) -> str:
+    scheduled = (" scheduled step by step as vLLM v1 with scheduling_policy=priority and chunked prefill "
+                 "(--sim-continuous; 2048 tokens per step; batch lane in at most "
+                 f"{batch_lane_slots(s.lane_batch_share, max_batch)} running slots)"
+                 if sim.get("sim_continuous") else ", whole batches (no preemption)")
+    return (
+        f"Conditions: SIMULATED GPU{scheduled} (prefill {sim['sim_prefill_ms_per_token']} ms/token, step "
+        f"{sim['sim_step_ms']} ms + {sim['sim_step_ms_per_seq']} ms per extra sequence; CPU burn "
+        f"{sim.get('sim_preprocess_cpu_ms', 0):g} ms preprocess, {sim.get('sim_postprocess_cpu_ms', 0):g} ms "
+        f"postprocess), max batch {max_batch}, window 0 ms, "
         f"{cpu_workers} processes per CPU pool; prompts ~{measured:.0f} tokens, max_tokens {o.max_tokens} "
         f"(ignore_eos); admission on the shipped defaults (max_queue_depth {s.max_queue_depth}, batch lane share "
         f"{s.lane_batch_share}); job API, client end-to-end (POST to the long-poll answer). Load average "
-        f"{load_start[0]:.2f} at the start, {load_end[0]:.2f} at the end ({os.cpu_count()} CPUs, shared machine).")
+        f"{load[0]:.2f} at the start, {load[1]:.2f} at the end ({os.cpu_count()} CPUs, shared machine).")
+
+
+def bench_priority(model_path: str, tokenizer, sim: dict, out: Path, console, *, max_batch: int = 32,
+                   cpu_workers: int = 2, o: PriorityOptions | None = None) -> int:
+    o = o or PriorityOptions()
+    prompts = make_prompts(tokenizer, 64, o.prompt_tokens)
+    measured = sum(count_tokens(tokenizer, p) for p in prompts[:20]) / 20
+    setup = EngineSetup(key="simulated", kind=EngineKind.SIMULATED, label="SIMULATED GPU", model_path=model_path,
+                        max_model_len=max(2048, o.prompt_tokens * 2 + o.max_tokens), max_batch=max_batch,
+                        cpu_workers=cpu_workers, sim=dict(sim))
+    out.mkdir(parents=True, exist_ok=True)
+    load_start = os.getloadavg()[0]
+    res, s = _run(setup, prompts, o, out, console)
+    conditions = _conditions(sim, s, o, max_batch, cpu_workers, measured, (load_start, os.getloadavg()[0]))
     md = markdown(res, o, conditions)
     (out / "priority.md").write_text(md + "\n")
     (out / "priority.json").write_text(json.dumps({"options": o.__dict__, "result": res, "conditions": conditions},

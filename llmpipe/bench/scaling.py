@@ -25,10 +25,15 @@ from rich.console import Console
 
 from llmpipe.bench.cpu import CpuSampler, self_pid
 from llmpipe.bench.loadgen import JobsClient, run_load
+from llmpipe.bench.machine import loadavg, run_meta
 from llmpipe.bench.modes import BASE_ENV, MODES, EngineSetup
+from llmpipe.bench.prompts import count_tokens, make_prompts
+from llmpipe.bench.scaling_report import analyze, write
 from llmpipe.bench.stats import cdf_points, summarize
 from llmpipe.engines.simulated import SimulatedGpuCost
+from llmpipe.models.registry import resolve_model
 from llmpipe.settings import EngineKind, Settings
+from llmpipe.testing.hosts.netns import available
 
 # The default SIMULATED costs x 8: prefill 0.8 ms/token and a decode step of 36.8 ms + 1.2 ms
 # per extra sequence (a GPU eight times slower per token, or a model that much larger). A
@@ -45,8 +50,6 @@ FULL = {"workers": [1, 2, 4], "concurrency": [64, 128], "network_concurrency": [
 QUICK = {"workers": [1, 2, 4], "concurrency": [8], "network_concurrency": [1], "prompt_tokens": 32, "max_tokens": 8,
          "max_batch": 2, "sim_scale": 1.0, "requests": 16, "network_requests": 4, "cpu_workers": 2,
          "cpu_instances": 1}
-TARGETS = {2: 1.9, 4: 3.5}  # throughput with N workers against one, in the same run
-FULL_BATCH = 0.9  # a worker's mean batch at or above this share of the max batch counts as full
 
 
 @dataclass
@@ -234,39 +237,16 @@ def conditions_text(o: ScalingOptions) -> str:
             f"per-worker mean batch from each worker's llmpipe_batch_size_requests histogram over the steady window.")
 
 
-def bench_scaling(given: dict, console: Console) -> int:
-    """The ``--modes scaling`` run. ``given``: the bench options the user set explicitly."""
-    import shlex
-    from datetime import datetime, timezone
-
-    from transformers import AutoTokenizer
-
-    from llmpipe.bench.cli import _loadavg, _machine, _versions
-    from llmpipe.bench.prompts import count_tokens, make_prompts
-    from llmpipe.bench.scaling_report import analyze, write
-    from llmpipe.models.registry import resolve_model
-    from llmpipe.testing.hosts.netns import available
-
-    why = available()
-    if why:
-        console.print(f"[red]the scaling mode runs hosts as network namespaces: {why}[/]")
-        return 2
-    quick = bool(given.get("quick"))
+def _options(given: dict, quick: bool, model_path: str, tokenizer) -> ScalingOptions:
     prof = dict(FULL, **(QUICK if quick else {}))
-    defaults = Settings()
-    out = Path(given.get("out") or "bench-results")
-    model = given.get("model") or ("tiny" if quick else "smollm2")
-    with console.status(f"preparing model {model}"):
-        model_path = str(resolve_model(model, defaults.models_dir, progress=False))
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
     o = ScalingOptions(
-        out=out, model_path=model_path, workers=given.get("workers") or prof["workers"],
-        concurrency=given.get("concurrency") or prof["concurrency"], network_concurrency=prof["network_concurrency"],
-        prompt_tokens=given.get("prompt_tokens") or prof["prompt_tokens"],
+        out=Path(given.get("out") or "bench-results"), model_path=model_path,
+        workers=given.get("workers") or prof["workers"], concurrency=given.get("concurrency") or prof["concurrency"],
+        network_concurrency=prof["network_concurrency"], prompt_tokens=given.get("prompt_tokens") or prof["prompt_tokens"],
         max_tokens=given.get("max_tokens") or prof["max_tokens"], max_batch=given.get("max_batch_size") or prof["max_batch"],
         cpu_workers=given.get("cpu_workers") or prof["cpu_workers"],
         cpu_instances=given.get("cpu_instances") or prof["cpu_instances"],
-        sim=scaled_sim(defaults, prof["sim_scale"], {k: given.get(k) for k in (
+        sim=scaled_sim(Settings(), prof["sim_scale"], {k: given.get(k) for k in (
             "sim_prefill_ms_per_token", "sim_step_ms", "sim_step_ms_per_seq", "sim_preprocess_cpu_ms",
             "sim_postprocess_cpu_ms")}),
         hop_rtt_ms=given.get("hop_rtt_ms") or 20.0, requests=given.get("requests") or prof.get("requests"),
@@ -275,23 +255,38 @@ def bench_scaling(given: dict, console: Console) -> int:
     need = sum(o.n_requests(c) for c in o.concurrency) + 64
     o.prompts = make_prompts(tokenizer, need, o.prompt_tokens)
     o.measured_prompt_tokens = sum(count_tokens(tokenizer, p) for p in o.prompts[:20]) / min(20, len(o.prompts))
-    started = datetime.now(timezone.utc)
-    meta = {"started": started.strftime("%Y-%m-%d %H:%M UTC"), "machine": _machine(), "versions": _versions(),
-            "loadavg_start": _loadavg(), "profile": "quick (smoke; targets not evaluated)" if quick else "default",
-            "command": shlex.join(["llmpipe", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"] else shlex.join(sys.argv)}
+    return o
+
+
+def bench_scaling(given: dict, console: Console) -> int:
+    """The ``--modes scaling`` run. ``given``: the bench options the user set explicitly."""
+    from transformers import AutoTokenizer
+
+    why = available()
+    if why:
+        console.print(f"[red]the scaling mode runs hosts as network namespaces: {why}[/]")
+        return 2
+    quick = bool(given.get("quick"))
+    model = given.get("model") or ("tiny" if quick else "smollm2")
+    with console.status(f"preparing model {model}"):
+        model_path = str(resolve_model(model, Settings().models_dir, progress=False))
+        o = _options(given, quick, model_path, AutoTokenizer.from_pretrained(model_path))
+    meta = {**run_meta(), "profile": "quick (smoke; targets not evaluated)" if quick else "default"}
     console.print(conditions_text(o))
     t0 = time.monotonic()
     rows = run_scaling(o, console)
-    meta.update(duration_s=time.monotonic() - t0, loadavg_end=_loadavg())
+    meta.update(duration_s=time.monotonic() - t0, loadavg_end=loadavg())
     hops = f"hosts-{o.hop_rtt_ms:g}ms"
     result = {"meta": meta, "conditions": conditions_text(o), "rows": rows,
               "options": {"workers": o.workers, "concurrency": o.concurrency, "network_concurrency": o.network_concurrency,
                           "prompt_tokens": o.prompt_tokens, "max_tokens": o.max_tokens, "max_batch": o.max_batch,
-                          "cpu_workers": o.cpu_workers, "cpu_instances": o.cpu_instances, "sim": o.sim, "hop_rtt_ms": o.hop_rtt_ms, "model": model_path},
+                          "cpu_workers": o.cpu_workers, "cpu_instances": o.cpu_instances, "sim": o.sim,
+                          "hop_rtt_ms": o.hop_rtt_ms, "model": model_path},
               "analysis": analyze(rows, hops, o.max_batch, o.concurrency, o.network_concurrency, quick)}
-    files = write(result, out)
+    files = write(result, o.out)
     for t in result["analysis"]["targets"]:
         v = "n/a" if t["value"] is None else f"{t['value']:.2f}"
-        console.print(f"{'[green]met[/]' if t['met'] else '[red]missed[/]'} {t['name']}: {v} (want {t['target']}; {t['detail']})")
+        console.print(f"{'[green]met[/]' if t['met'] else '[red]missed[/]'} {t['name']}: {v} (want {t['target']}; "
+                      f"{t['detail']})")
     console.print(f"wrote {', '.join(str(f) for f in files)} in {meta['duration_s']:.0f} s")
     return 1 if any("error" in r for r in rows) else 0

@@ -148,6 +148,35 @@ class SerialServer:
         self.engine.shutdown()
 
 
+async def _completion(srv: SerialServer, body: CompletionBody):
+    """``POST /v1/completions``: one JSON answer, or server-sent events with ``stream``."""
+    job = srv.submit(body, stream=body.stream)
+    rid = f"cmpl-{job.id}"
+    if not body.stream:
+        await job.done.wait()
+        if job.error:
+            return JSONResponse({"error": {"message": job.error}}, status_code=500)
+        res = job.result["results"][0]
+        return {"id": rid, "object": "text_completion", "model": body.model,
+                "choices": [{"index": 0, "text": res["text"], "finish_reason": res["finish_reason"]}],
+                "usage": job.result["usage"]}
+
+    def event(choices: list[dict], **extra) -> str:
+        return f"data: {json.dumps({'id': rid, 'choices': choices, **extra})}\n\n"
+
+    async def events():
+        while (delta := await job.deltas.get()) is not None:
+            yield event([{"index": 0, "text": delta}])
+        await job.done.wait()
+        if job.result:
+            yield event([{"index": 0, "text": "", "finish_reason": job.result["results"][0]["finish_reason"]}])
+            if (body.stream_options or {}).get("include_usage"):
+                yield event([], usage=job.result["usage"])
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     state: dict[str, SerialServer] = {}
@@ -183,30 +212,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody):
-        srv = state["server"]
-        job = srv.submit(body, stream=body.stream)
-        rid = f"cmpl-{job.id}"
-        if not body.stream:
-            await job.done.wait()
-            if job.error:
-                return JSONResponse({"error": {"message": job.error}}, status_code=500)
-            res = job.result["results"][0]
-            return {"id": rid, "object": "text_completion", "model": body.model,
-                    "choices": [{"index": 0, "text": res["text"], "finish_reason": res["finish_reason"]}],
-                    "usage": job.result["usage"]}
-
-        async def events():
-            while (delta := await job.deltas.get()) is not None:
-                yield f"data: {json.dumps({'id': rid, 'choices': [{'index': 0, 'text': delta}]})}\n\n"
-            await job.done.wait()
-            if job.result:
-                res = job.result["results"][0]
-                yield f"data: {json.dumps({'id': rid, 'choices': [{'index': 0, 'text': '', 'finish_reason': res['finish_reason']}]})}\n\n"
-                if (body.stream_options or {}).get("include_usage"):
-                    yield f"data: {json.dumps({'id': rid, 'choices': [], 'usage': job.result['usage']})}\n\n"
-            yield "data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return await _completion(state["server"], body)
 
     return app
 

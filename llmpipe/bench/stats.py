@@ -40,6 +40,16 @@ def union_length(intervals: list[tuple[float, float]], lo: float, hi: float) -> 
     return total
 
 
+def _steady(samples: list[Sample], warmup: int, concurrency: int | None) -> list[Sample]:
+    measured = [s for s in samples if s.i >= warmup] or samples
+    if concurrency:
+        last = max((s.i for s in samples), default=0)
+        inner = [s for s in measured if s.i <= last - concurrency]
+        if sum(s.ok for s in inner) >= 8:
+            return inner
+    return measured
+
+
 def summarize(samples: list[Sample], warmup: int, concurrency: int | None = None) -> dict:
     """Figures of one load point.
 
@@ -51,13 +61,7 @@ def summarize(samples: list[Sample], warmup: int, concurrency: int | None = None
     over a window. Open loop: completions (of any request) between the first measured
     request's arrival and the last arrival, over that time.
     """
-    measured = [s for s in samples if s.i >= warmup] or samples
-    steady = measured
-    if concurrency:
-        last = max((s.i for s in samples), default=0)
-        inner = [s for s in measured if s.i <= last - concurrency]
-        if sum(s.ok for s in inner) >= 8:
-            steady = inner
+    steady = _steady(samples, warmup, concurrency)
     ok = [s for s in steady if s.ok]
     errors = [s for s in steady if not s.ok]
     lo = min((s.start for s in steady), default=0.0)
@@ -73,8 +77,8 @@ def summarize(samples: list[Sample], warmup: int, concurrency: int | None = None
         how = "open loop: completions between the first measured and the last arrival / that time"
     starts = sorted(s.start for s in steady)
     offered = (len(starts) - 1) / (starts[-1] - starts[0]) if len(starts) > 1 and starts[-1] > starts[0] else None
-    lat = [s.latency_s for s in ok]
     ttft = [s.ttft_s for s in ok if s.ttft_s is not None]
+    tokens = (sum(s.completion_tokens for s in ok) / len(ok)) if ok else None
     out: dict = {
         "requests": len(samples),
         "measured": len(steady),
@@ -83,23 +87,31 @@ def summarize(samples: list[Sample], warmup: int, concurrency: int | None = None
         "first_error": errors[0].error if errors else None,
         "window_s": window,
         "window": [lo, lo + window],  # epoch seconds: the steady window the rates are over
-        "latency_s": pcts(lat),
+        "latency_s": pcts([s.latency_s for s in ok]),
         "ttft_s": pcts(ttft) if ttft else None,
         "throughput_rps": rps,
         "throughput_method": how,
         "offered_rps": None if concurrency else offered,  # open loop: the arrival rate realized
-        "output_tok_s": rps * (sum(s.completion_tokens for s in ok) / len(ok)) if ok else 0.0,
-        "completion_tokens_mean": (sum(s.completion_tokens for s in ok) / len(ok)) if ok else None,
+        "output_tok_s": rps * tokens if ok else 0.0,
+        "completion_tokens_mean": tokens,
     }
-    with_engine = [s for s in samples if s.ok and s.engine_interval is not None]
+    out["engine_busy"] = _engine_busy(samples, lo, hi, window)
+    out.update(_server_figures(ok))
+    return out
+
+
+def _engine_busy(samples: list[Sample], lo: float, hi: float, window: float) -> dict:
+    with_engine = [s.engine_interval for s in samples if s.ok and s.engine_interval is not None]
     if with_engine:
-        intervals = [s.engine_interval for s in with_engine]
-        out["engine_busy"] = {"fraction": union_length(intervals, lo, hi) / window,
-                              "method": "server: union of per-request engine intervals (from timings + engine_time_s)"}
-    else:
-        intervals = [(s.start, s.end) for s in samples if s.ok]
-        out["engine_busy"] = {"fraction": union_length(intervals, lo, hi) / window,
-                              "method": "client: union of request in-flight intervals (an upper bound)"}
+        return {"fraction": union_length(with_engine, lo, hi) / window,
+                "method": "server: union of per-request engine intervals (from timings + engine_time_s)"}
+    return {"fraction": union_length([(s.start, s.end) for s in samples if s.ok], lo, hi) / window,
+            "method": "client: union of request in-flight intervals (an upper bound)"}
+
+
+def _server_figures(ok: list[Sample]) -> dict:
+    """Overhead, engine time, per-stage p50s and batch sizes, where the server reports them."""
+    out: dict = {}
     # End-to-end minus engine time, wherever the server reports engine time (the celery
     # floor reports 0 and no stage timings).
     timed = [s for s in ok if s.engine_time_s is not None]
