@@ -13,7 +13,7 @@ The price of one subscription for every job: each API process receives the end o
 job, its own or not (a message of a few hundred bytes to a few KiB; a result longer than
 ``WAKE_RESULT_MAX`` is not carried). Against it, a wait no longer costs a SUBSCRIBE and an
 UNSUBSCRIBE, nor the round trip of waiting for the subscription before the first read
-(docs/benchmarks.md, round 4).
+(docs/benchmarks.md).
 
 The connection is owned by one reader task that never gives up: on any error it drops the
 connection, wakes every watcher, and reconnects with backoff, subscribing again. As the

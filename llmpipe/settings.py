@@ -86,9 +86,9 @@ class Settings(BaseSettings):
     # list or comma-separated (LLMPIPE_MODELS=smollm2,tiny); in the config file a list.
     models: Annotated[list[str], NoDecode] = Field(default_factory=list)
     engine: EngineKind = EngineKind.VLLM
-    # None: chosen by platform (llmpipe/engines/platform.py): on CUDA dtype auto (bf16 for
-    # the transformers engine), CUDA graphs, 0.9 of the GPU, vLLM's own max_num_seqs; on the
-    # CPU float32, eager, 0.85, max_num_seqs = max_batch_size.
+    # None: vLLM's own default, as `vllm serve` picks it (llmpipe/engines/platform.py): dtype
+    # auto, compiled (CUDA graphs on a GPU, torch.compile on the CPU), 0.9 of the GPU, vLLM's
+    # own max_num_seqs; the transformers engine takes bf16 on CUDA, float32 on the CPU.
     dtype: str | None = None
     max_model_len: int | None = None  # None: the model's own context length
     kv_cache_gib: float = 1.0  # vLLM CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)

@@ -1,10 +1,9 @@
-"""Before/after: the figures of issue 11 from two ``llmpipe bench`` runs, each with the
+"""Before/after: the per-request cost against the celery floor from two ``llmpipe bench`` runs, each with the
 celery floor and the pipeline (``--engine noop --modes celery-floor,pipeline-window50
 --concurrency 1,64``), one on the code before and one after. Writes ``report.md`` (the
 table) and ``cost.png`` (capacity and idle overhead of floor, before and after).
 
 ``python -m benchmarks.cost.compare BEFORE_DIR AFTER_DIR [--out DIR] [--events-off DIR ...]``
-(``benchmarks/cost/bench-cost.sh`` runs the whole thing).
 """
 
 from __future__ import annotations

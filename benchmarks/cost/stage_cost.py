@@ -5,10 +5,9 @@
 Runs each request's three stage tasks (preprocess, inference on the no-op engine,
 postprocess as a single-prompt job's last hop) by calling them directly, as a worker's
 pool process would, against a Redis of its own and the model's tokenizer: no broker, no
-Celery worker, no HTTP. That is the work the celery floor's tasks do not do (issue 11),
+Celery worker, no HTTP. That is the work the celery floor's tasks do not do,
 measured without the contention of a loaded machine: ``time.process_time``, so the
-inference figure includes the batcher's thread. docs/benchmarks.md, issue 11 round 6,
-has a run.
+inference figure includes the batcher's thread. docs/benchmarks.md has a run.
 """
 
 from __future__ import annotations

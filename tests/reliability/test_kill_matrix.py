@@ -1,4 +1,4 @@
-"""The kill matrix on the shipped defaults (issue 9, docs/reliability.md "Crash recovery").
+"""The kill matrix on the shipped defaults (docs/reliability.md, "Kill matrix on the shipped defaults").
 
 One ``llmpipe up`` per broker, run as a new user runs it (a subprocess, the tiny model on
 vLLM with its engine core in a process of its own, no setting changed, no lease or
