@@ -2,14 +2,14 @@
 (Poisson arrivals at a rate).
 
 Latency is the same for every mode: from sending the request to having the whole result
-(the last byte of the final ``GET /v1/jobs/{id}?wait=`` answer, or the end of the
-``/v1/completions`` stream). Two client protocols:
+(the last byte of the final ``GET /v1/jobs/{id}?wait=`` answer, or of the OpenAI answer or
+stream). Two client protocols:
 
 * ``jobs``: ``POST /v1/jobs`` then ``GET status_url?wait=60`` until the job is terminal
   (the pipeline's API and the serial server). The result's per-prompt ``timings``,
   ``batch_size`` and ``engine_time_s`` give each request's engine interval.
-* ``openai``: ``POST /v1/completions`` with ``stream: true`` (``vllm serve``, and the
-  pipeline once it has the endpoint); the first chunk with text gives the TTFT.
+* ``openai``: ``POST /v1/completions`` or ``/v1/chat/completions``, streamed or not
+  (``vllm serve``, the pipeline's OpenAI API; llmpipe/bench/openai_client.py).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import asyncio
 import contextlib
 import functools
 import itertools
-import json
 import random
 import ssl
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import httpx
 
@@ -136,59 +136,13 @@ async def enrich(base_url: str, samples: list[Sample], concurrency: int = 8) -> 
     return got
 
 
-class OpenAIClient:
-    protocol = "openai"
+class Client(Protocol):
+    """What ``run_load`` drives: ``JobsClient`` here, ``OpenAIClient`` (openai_client.py)."""
 
-    def __init__(self, base_url: str, max_tokens: int, model: str, *, stream: bool = True):
-        self.base = base_url.rstrip("/")
-        self.max_tokens = max_tokens
-        self.model = model
-        self.stream = stream
+    protocol: str
 
-    def body(self, prompt: str) -> dict:
-        b = {"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "temperature": 0.0,
-             "ignore_eos": True, "stream": self.stream}
-        if self.stream:
-            b["stream_options"] = {"include_usage": True}
-        return b
+    async def request(self, http: httpx.AsyncClient, s: Sample, prompt: str) -> None: ...
 
-    async def request(self, http: httpx.AsyncClient, s: Sample, prompt: str) -> None:
-        t0 = time.perf_counter()
-        if not self.stream:
-            r = await http.post(f"{self.base}/v1/completions", json=self.body(prompt))
-            if r.status_code != 200:
-                s.error = f"POST {r.status_code}: {r.text[:200]}"
-                return
-            s.completion_tokens = int((r.json().get("usage") or {}).get("completion_tokens", 0))
-            s.ok = True
-            return
-        chunks = 0
-        usage = None
-        async with http.stream("POST", f"{self.base}/v1/completions", json=self.body(prompt)) as r:
-            if r.status_code != 200:
-                s.error = f"POST {r.status_code}: {(await r.aread())[:200]!r}"
-                return
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    s.extra["done_at"] = time.time()  # epoch s: the stream's end, against the job's
-                    break
-                chunk = json.loads(data)
-                if "job_id" not in s.extra and str(chunk.get("id", "")).startswith("cmpl-"):
-                    s.extra["job_id"] = chunk["id"].removeprefix("cmpl-")
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                if any(c.get("text") for c in chunk.get("choices") or ()):
-                    chunks += 1
-                    if s.ttft_s is None:
-                        s.ttft_s = time.perf_counter() - t0
-        s.completion_tokens = int(usage["completion_tokens"]) if usage else chunks
-        s.ok = True
-
-
-Client = JobsClient | OpenAIClient
 
 
 async def _one(client: Client, http: httpx.AsyncClient, i: int, prompt: str, timeout_s: float | None) -> Sample:
@@ -284,6 +238,7 @@ async def run_load(
         if on_done is not None:
             on_done(s)
 
+    _ssl_context()  # built before the clock starts: ~0.1 s on a busy machine, which late-started the schedule
     async with ClientPool() as clients:
         if concurrency is not None:
             counter = itertools.count()

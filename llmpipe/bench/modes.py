@@ -1,7 +1,8 @@
 """The serving modes the benchmark compares, and how each one's servers start and stop.
 
 Every mode is real processes on loopback: the serial server, a whole LocalPipeline
-(workers + API, on the bench's own embedded Redis), or ``vllm serve``.
+(workers + API, on the bench's own embedded Redis), the celery floor, or ``vllm serve``
+(llmpipe/bench/vllm_serve.py: as a user types it, or with the pipeline's engine arguments).
 """
 
 from __future__ import annotations
@@ -13,7 +14,11 @@ from pathlib import Path
 
 import httpx
 
+from llmpipe.bench.burn import LOADER
+from llmpipe.bench.vllm_serve import matched_argv, serve_argv
+from llmpipe.local.pipeline import LocalPipeline, settings_env
 from llmpipe.local.redis_server import free_port
+from llmpipe.local.supervisor import Supervisor, python_env
 from llmpipe.settings import EngineKind, Settings
 
 
@@ -24,15 +29,20 @@ class Mode:
     window_ms: float = 0.0
     batched: bool = True  # False: max batch 1
     about: str = ""
+    matched: bool = False  # vllm-serve: the pipeline's engine arguments instead of vLLM's defaults
 
 
 MODES: dict[str, Mode] = {m.name: m for m in [
     Mode("serial", "serial", 0, False, "one process tokenizes, generates and detokenizes one request at a time"),
     Mode("pipeline-nobatch", "pipeline", 0, False, "the Celery pipeline, max batch 1"),
     Mode("pipeline-window0", "pipeline", 0, True, "the pipeline, batching window 0 ms (batches form only while the engine is busy)"),
-    Mode("pipeline-window50", "pipeline", 50, True, "the pipeline, dynamic batching with a 50 ms window"),
-    Mode("pipeline-continuous", "pipeline", 0, True, "the pipeline, requests go to vLLM at once and join its running batch (continuous batching)"),
-    Mode("vllm-serve", "vllm-serve", 0, True, "vLLM's own OpenAI server on the same model"),
+    Mode("pipeline-window50", "pipeline", 50, True, "the pipeline as shipped (`make up`): dynamic batching with a 50 ms "
+         "window, max batch 32; on vLLM, batches go to the engine while others run and join its running batch"),
+    Mode("pipeline-continuous", "pipeline", 0, True, "the pipeline, batching window 0: requests go to vLLM at once and join its running batch (continuous batching)"),
+    Mode("vllm-serve", "vllm-serve", 0, True, "`vllm serve MODEL` as a user types it: vLLM's own defaults, no flags but "
+         "--host and --port"),
+    Mode("vllm-serve-matched", "vllm-serve", 0, True, "`vllm serve` given the pipeline's effective engine arguments "
+         "(the same engine as the pipeline's, so the difference is the pipeline's own overhead)", matched=True),
     Mode("celery-floor", "floor", 0, True, "the floor: the same three stages as bare Celery no-op tasks (same pools, "
          "acks_late, JSON, task events) behind a minimal HTTP endpoint; no llmpipe bookkeeping"),
 ]}
@@ -46,7 +56,7 @@ class EngineSetup:
     kind: EngineKind
     label: str  # shown in every output; "SIMULATED" for the simulated engine
     model_path: str
-    max_model_len: int
+    max_model_len: int | None  # None: the model's own, as shipped (and as `vllm serve` picks it)
     max_batch: int = 32
     cpu_workers: int = 2
     sim: dict = field(default_factory=dict)  # sim_* Settings fields
@@ -65,11 +75,17 @@ class EngineSetup:
         )
 
 
+# What each kind of server answers (llmpipe/bench/kinds.py endpoint): the job API, the
+# OpenAI completions and chat endpoints.
+ENDPOINTS = {"pipeline": ("jobs", "completions", "chat"), "serial": ("jobs", "completions"), "floor": ("jobs",),
+             "vllm-serve": ("completions", "chat")}
+
+
 @dataclass
 class Server:
     mode: Mode
     url: str
-    protocols: tuple[str, ...]
+    protocols: tuple[str, ...]  # ENDPOINTS
     groups: dict[str, list[int]]  # CPU groups: name -> root pids
     log_dir: Path
     settings: Settings | None = None
@@ -105,40 +121,13 @@ def _wait_http(url: str, sup, timeout: float, what: str) -> None:
     raise ServerError(f"{what} not ready after {timeout:.0f}s (logs in {sup.log_dir})")
 
 
-def has_completions_endpoint() -> bool:
-    """Whether the pipeline's API has POST /v1/completions (OpenAI-style, streaming)."""
-    try:
-        from api.app import create_app
-
-        app = create_app(Settings(redis_url="redis://127.0.0.1:1/0"))
-        return any(getattr(r, "path", None) == "/v1/completions" for r in app.routes)
-    except Exception:
-        return False
-
-
 def start_server(mode: Mode, eng: EngineSetup, redis_url: str, log_dir: Path, *, ready_timeout: float = 900.0,
                  console=None) -> Server:
-    from llmpipe.local.pipeline import LocalPipeline, settings_env
-    from llmpipe.local.supervisor import Supervisor, python_env
-
     log_dir.mkdir(parents=True, exist_ok=True)
     s = eng.settings(mode, redis_url, log_dir / "state")
     env = dict(BASE_ENV)
     if mode.kind == "pipeline":
-        if eng.burns:
-            from llmpipe.bench.burn import LOADER
-
-            env["CELERY_LOADER"] = LOADER
-        p = LocalPipeline(s, flower=False, echo=False, console=console, extra_env=env, log_dir=log_dir).start()
-        try:
-            p.wait_ready(timeout=ready_timeout)
-        except Exception as e:
-            p.stop(timeout=10)
-            raise ServerError(str(e)) from e
-        groups = {c.name: [c.proc.pid] for c in p.sup.children}
-        protocols = ("jobs", "openai") if has_completions_endpoint() else ("jobs",)
-        return Server(mode, p.api_url, protocols, groups, log_dir, s, lambda: p.stop(timeout=30))
-
+        return _start_pipeline(mode, eng, s, env, log_dir, ready_timeout, console)
     sup = Supervisor(log_dir, console=console, echo=False)
     port = free_port()
     if mode.kind == "floor":
@@ -146,20 +135,15 @@ def start_server(mode: Mode, eng: EngineSetup, redis_url: str, log_dir: Path, *,
     if mode.kind == "serial":
         argv = [sys.executable, "-m", "llmpipe.bench.serial_server", "--port", str(port)]
         child = sup.spawn("serial", argv, python_env({**settings_env(s), **env}))
-        protocols, probe = ("jobs", "openai"), "/healthz"
+        probe = "/healthz"
     elif mode.kind == "vllm-serve":
         if eng.kind is not EngineKind.VLLM:
-            raise ServerError("vllm-serve runs only with the vLLM engine")
-        from llmpipe.engines.platform import engine_config
-
-        ea = engine_config(s).args  # what the pipeline's engine gets on this platform
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", eng.model_path,
-                "--host", "127.0.0.1", "--port", str(port), "--dtype", str(ea["dtype"]),
-                "--max-model-len", str(eng.max_model_len), "--seed", "0"]
-        argv += ["--enforce-eager"] if ea.get("enforce_eager") else []
-        argv += ["--max-num-seqs", str(ea["max_num_seqs"])] if ea.get("max_num_seqs") else []
-        child = sup.spawn("vllm-serve", argv, python_env(env))
-        protocols, probe = ("openai",), "/v1/models"
+            raise ServerError(f"{mode.name} runs only with the vLLM engine")
+        # The name the pipeline answers to; vLLM's is its model argument (serve_argv).
+        name = s.served.default.id
+        argv = matched_argv(eng.model_path, port, s, name) if mode.matched else serve_argv(eng.model_path, port, name)
+        child = sup.spawn(mode.name, argv, python_env(env))
+        probe = "/v1/models"
     else:
         raise ServerError(f"unknown mode kind {mode.kind}")
     url = f"http://127.0.0.1:{port}"
@@ -168,16 +152,30 @@ def start_server(mode: Mode, eng: EngineSetup, redis_url: str, log_dir: Path, *,
     except Exception:
         sup.stop(timeout=10)
         raise
-    return Server(mode, url, protocols, {mode.kind: [child.proc.pid]}, log_dir, s, lambda: sup.stop(timeout=30))
+    group = mode.name if mode.kind == "vllm-serve" else mode.kind
+    return Server(mode, url, ENDPOINTS[mode.kind], {group: [child.proc.pid]}, log_dir, s, lambda: sup.stop(timeout=30))
+
+
+def _start_pipeline(mode: Mode, eng: EngineSetup, s: Settings, env: dict, log_dir: Path, ready_timeout: float,
+                    console) -> Server:
+    if eng.burns:
+        env["CELERY_LOADER"] = LOADER
+    p = LocalPipeline(s, flower=False, echo=False, console=console, extra_env=env, log_dir=log_dir).start()
+    try:
+        p.wait_ready(timeout=ready_timeout)
+    except Exception as e:
+        p.stop(timeout=10)
+        raise ServerError(str(e)) from e
+    groups = {c.name: [c.proc.pid] for c in p.sup.children}
+    return Server(mode, p.api_url, ENDPOINTS["pipeline"], groups, log_dir, s, lambda: p.stop(timeout=30))
 
 
 def _start_floor(mode: Mode, s: Settings, env: dict, sup, port: int, ready_timeout: float) -> Server:
     """The celery-floor mode (llmpipe/bench/floor.py): a worker per stage, as the pipeline's, and its API."""
     from celery import Celery
 
+    # Lazily: the floor module builds its own Celery app when imported.
     from llmpipe.bench.floor import QUEUES, floor_worker_argv
-    from llmpipe.local.pipeline import settings_env
-    from llmpipe.local.supervisor import python_env
 
     penv = python_env({**settings_env(s), **env})
     pids = {}
@@ -200,4 +198,4 @@ def _start_floor(mode: Mode, s: Settings, env: dict, sup, port: int, ready_timeo
         raise
     finally:
         probe.close()
-    return Server(mode, url, ("jobs",), pids, sup.log_dir, s, lambda: sup.stop(timeout=30))
+    return Server(mode, url, ENDPOINTS["floor"], pids, sup.log_dir, s, lambda: sup.stop(timeout=30))

@@ -15,10 +15,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from llmpipe.bench.cpu import CpuSampler, redis_delta, redis_snapshot, self_pid
 from llmpipe.bench.gpu import GpuSampler
-from llmpipe.bench.loadgen import JobsClient, OpenAIClient, enrich, run_load
-from llmpipe.bench.modes import MODES, EngineSetup, Server, start_server
+from llmpipe.bench.kinds import JOBS, endpoint
+from llmpipe.bench.loadgen import JobsClient, enrich, run_load
+from llmpipe.bench.modes import ENDPOINTS, MODES, EngineSetup, Mode, Server, start_server
+from llmpipe.bench.openai_client import OpenAIClient
 from llmpipe.bench.redis_trace import trace
-from llmpipe.bench.stats import cdf_points, summarize
+from llmpipe.bench.stats import cdf_points, percentile, summarize
 from llmpipe.broker.redis_clients import connect
 
 
@@ -51,6 +53,16 @@ class EnginePlan:
     prompts: list[str] = field(default_factory=list)
     measured_prompt_tokens: float = 0.0
     notes: list[str] = field(default_factory=list)
+    kinds: list[str] = field(default_factory=lambda: ["completions-stream"])  # OpenAI request kinds (kinds.py)
+
+    def kinds_for(self, mode: Mode) -> list[str]:
+        """The request kinds ``mode``'s server takes, in order: the job API where the plan
+        drives it (vllm serve has none), else each of ``kinds`` its server answers; a server
+        that answers none of them (the celery floor) takes the job API."""
+        have = ENDPOINTS[mode.kind]
+        if self.api == JOBS and JOBS in have:
+            return [JOBS]
+        return [k for k in self.kinds if endpoint(k) in have] or ([JOBS] if JOBS in have else [])
 
 
 @dataclass
@@ -64,88 +76,119 @@ class RunConfig:
     gpu: GpuSampler | None = None  # GPU utilization per load point (the GPU run)
 
 
-def _client(server: Server, plan: EnginePlan, api: str):
-    if server.mode.kind == "vllm-serve" or api == "openai":
-        if "openai" not in server.protocols:
-            raise RuntimeError(f"{server.mode.name} has no /v1/completions endpoint (try --api jobs)")
-        return OpenAIClient(server.url, plan.max_tokens, plan.setup.model_path)
-    return JobsClient(server.url, plan.max_tokens)
+def client_for(server: Server, plan: EnginePlan, kind: str):
+    if kind == JOBS:
+        return JobsClient(server.url, plan.max_tokens)
+    return OpenAIClient.of_kind(kind, server.url, plan.max_tokens, plan.setup.model_path)
 
 
 def run_plans(plans: list[EnginePlan], cfg: RunConfig, redis_url: str, console: Console) -> list[dict]:
     rows: list[dict] = []
     r = connect(redis_url)
-    total_points = sum(len(loads) for p in plans for _, loads in p.points)
+    total_points = sum(len(loads) * len(p.kinds_for(MODES[m])) for p in plans for m, loads in p.points)
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         console=console, transient=False)
     with progress:
-        overall = progress.add_task("bench", total=total_points)
+        run = _ModeRun(cfg, redis_url, r, console, progress, progress.add_task("bench", total=total_points), rows)
         for plan in plans:
             for mode_name, loads in plan.points:
-                mode = MODES[mode_name]
-                tag = f"{plan.setup.key}/{mode_name}"
-                step = progress.add_task(f"{tag}: starting", total=None)
-                r.flushdb()
-                t_start = time.monotonic()
-                try:
-                    server = start_server(mode, plan.setup, redis_url, cfg.out / "logs" / f"{plan.setup.key}-{mode_name}",
-                                          console=console)
-                except Exception as e:
-                    console.print(f"[red]{tag}: could not start: {e}[/]")
-                    for load in loads:
-                        rows.append(_row(plan, mode_name, load, error=f"start failed: {e}"))
-                        progress.advance(overall)
-                    progress.remove_task(step)
-                    continue
-                startup_s = time.monotonic() - t_start
-                try:
-                    client = _client(server, plan, plan.api)
-                    progress.update(step, description=f"{tag}: warm-up")
-                    asyncio.run(run_load(client, plan.prompts[-cfg.warm_requests:], requests=cfg.warm_requests,
-                                         concurrency=1, timeout_s=cfg.request_timeout_s))
-                    base = 0
-                    for load in loads:
-                        progress.update(step, description=f"{tag} {load.label}", total=load.requests or None, completed=0)
-                        load = Load(load.concurrency, load.rate, 0 if cfg.duration_s else load.requests, load.max_s)
-                        row = _measure(plan, server, client, load, cfg, r, base, progress, step)
-                        row["startup_s"] = startup_s
-                        rows.append(row)
-                        base += row["requests"]
-                        progress.advance(overall)
-                        lat = row["summary"]["latency_s"]["p50"]
-                        console.print(f"{tag} {load.label}: {row['summary']['throughput_rps']:.2f} req/s, "
-                                      f"p50 {lat * 1000 if lat else float('nan'):.0f} ms, errors {row['summary']['errors']}")
-                    if plan.setup.key == "noop" and mode.kind in ("pipeline", "floor") and cfg.redis_trace:
-                        progress.update(step, description=f"{tag}: Redis MONITOR trace")
-                        rows[-len(loads)]["redis_trace"] = trace(redis_url, lambda: _sequential(client, plan, 10, cfg))
-                    if plan.setup.key == "noop" and mode.kind == "pipeline" and "openai" in server.protocols:
-                        progress.update(step, description=f"{tag}: stream ends")
-                        rows[-len(loads)]["stream_end"] = stream_end_lag(server, plan, r, cfg)
-                except Exception as e:
-                    console.print(f"[red]{tag}: failed: {e}[/]")
-                    console.print(traceback.format_exc(limit=3), markup=False)
-                    done = {(x["engine"], x["mode"], x["load"]) for x in rows}
-                    for load in loads:
-                        if (plan.setup.key, mode_name, load.label) not in done:
-                            rows.append(_row(plan, mode_name, load, error=str(e)))
-                            progress.advance(overall)
-                finally:
-                    progress.update(step, description=f"{tag}: stopping")
-                    t_stop = time.monotonic()
-                    server.stop()
-                    if rows and rows[-1]["mode"] == mode_name:
-                        rows[-1]["stop_s"] = time.monotonic() - t_stop
-                    progress.remove_task(step)
+                run.mode(plan, MODES[mode_name], loads)
     r.close()
     return rows
+
+
+@dataclass
+class _ModeRun:
+    """One mode of one engine: its server starts, warms up, takes every kind at every load, stops."""
+
+    cfg: RunConfig
+    redis_url: str
+    r: redis.Redis
+    console: Console
+    progress: Progress
+    overall: object
+    rows: list[dict]
+
+    def mode(self, plan: EnginePlan, mode: Mode, loads: list[Load]) -> None:
+        tag = f"{plan.setup.key}/{mode.name}"
+        kinds = plan.kinds_for(mode)
+        step = self.progress.add_task(f"{tag}: starting", total=None)
+        self.r.flushdb()
+        t_start = time.monotonic()
+        try:
+            server = start_server(mode, plan.setup, self.redis_url,
+                                  self.cfg.out / "logs" / f"{plan.setup.key}-{mode.name}", console=self.console)
+        except Exception as e:
+            self.console.print(f"[red]{tag}: could not start: {e}[/]")
+            self._failed(plan, mode, loads, kinds, f"start failed: {e}")
+            self.progress.remove_task(step)
+            return
+        startup_s = time.monotonic() - t_start
+        try:
+            self._measure_all(plan, server, loads, kinds, step, startup_s)
+        except Exception as e:
+            self.console.print(f"[red]{tag}: failed: {e}[/]")
+            self.console.print(traceback.format_exc(limit=3), markup=False)
+            self._failed(plan, mode, loads, kinds, str(e))
+        finally:
+            self.progress.update(step, description=f"{tag}: stopping")
+            t_stop = time.monotonic()
+            server.stop()
+            if self.rows and self.rows[-1]["mode"] == mode.name:
+                self.rows[-1]["stop_s"] = time.monotonic() - t_stop
+            self.progress.remove_task(step)
+
+    def _failed(self, plan: EnginePlan, mode: Mode, loads: list[Load], kinds: list[str], error: str) -> None:
+        done = {(x["engine"], x["mode"], x.get("kind"), x["load"]) for x in self.rows}
+        for kind in kinds:
+            for load in loads:
+                if (plan.setup.key, mode.name, kind, load.label) not in done:
+                    self.rows.append(_row(plan, mode.name, load, kind=kind, error=error))
+                    self.progress.advance(self.overall)
+
+    def _measure_all(self, plan: EnginePlan, server: Server, loads: list[Load], kinds: list[str], step,
+                     startup_s: float) -> None:
+        cfg, tag = self.cfg, f"{plan.setup.key}/{server.mode.name}"
+        first = len(self.rows)
+        base = 0
+        for i, kind in enumerate(kinds):
+            client = client_for(server, plan, kind)
+            self.progress.update(step, description=f"{tag} {kind}: warm-up")
+            # The server's first requests, then one for each further kind (its endpoint's first use).
+            warm = cfg.warm_requests if i == 0 else 1
+            asyncio.run(run_load(client, plan.prompts[-warm:], requests=warm, concurrency=1,
+                                 timeout_s=cfg.request_timeout_s))
+            for load in loads:
+                self.progress.update(step, description=f"{tag} {kind} {load.label}", total=load.requests or None,
+                                     completed=0)
+                load = Load(load.concurrency, load.rate, 0 if cfg.duration_s else load.requests, load.max_s)
+                row = _measure(plan, server, client, load, cfg, self.r, base, self.progress, step)
+                row["startup_s"] = startup_s
+                self.rows.append(row)
+                base += row["requests"]
+                self.progress.advance(self.overall)
+                s = row["summary"]
+                lat, ttft = s["latency_s"]["p50"], (s["ttft_s"] or {}).get("p50")
+                self.console.print(f"{tag} {kind} {load.label}: {s['throughput_rps']:.2f} req/s, {s['output_tok_s']:.0f} "
+                                   f"tok/s, p50 {lat * 1000 if lat else float('nan'):.0f} ms"
+                                   + (f", TTFT p50 {ttft * 1000:.0f} ms" if ttft else "") + f", errors {s['errors']}")
+        if kinds:
+            self._extras(plan, server, client, self.rows[first])
+
+    def _extras(self, plan: EnginePlan, server: Server, client, first_row: dict) -> None:
+        """The no-op pipelines' Redis MONITOR trace and stream-end lag, on the mode's first row."""
+        if plan.setup.key != "noop" or server.mode.kind not in ("pipeline", "floor"):
+            return
+        if self.cfg.redis_trace:
+            first_row["redis_trace"] = trace(self.redis_url, lambda: _sequential(client, plan, 10, self.cfg))
+        if server.mode.kind == "pipeline":
+            first_row["stream_end"] = stream_end_lag(server, plan, self.r, self.cfg)
 
 
 def stream_end_lag(server: Server, plan: EnginePlan, r: redis.Redis, cfg: RunConfig, n: int = 20) -> dict:
     """How long after its job completed a stream ends: ``n`` streaming requests one at a
     time (POST /v1/completions), each from the job record's terminal write (``updated_at``)
     to the client's ``[DONE]``; both clocks are this machine's."""
-    from llmpipe.bench.stats import percentile
-
     client = OpenAIClient(server.url, plan.max_tokens, plan.setup.model_path)
     samples = asyncio.run(run_load(client, plan.prompts[:n], requests=n, concurrency=1, timeout_s=cfg.request_timeout_s))
     lags = []
@@ -186,10 +229,11 @@ def _measure(plan: EnginePlan, server: Server, client, load: Load, cfg: RunConfi
                                    duration_s=cfg.duration_s or load.max_s, seed=cfg.seed, timeout_s=cfg.request_timeout_s,
                                    on_done=lambda s: progress.advance(step)))
     cpu = sampler.stop()
-    if client.protocol == "openai" and "jobs" in server.protocols:
+    if client.protocol == "openai" and JOBS in server.protocols:
         asyncio.run(enrich(server.url, samples))
     summary = summarize(samples, load.warmup, load.concurrency)
-    row = _row(plan, server.mode.name, load, requests=len(samples), warmup=load.warmup, protocol=client.protocol,
+    row = _row(plan, server.mode.name, load, kind=getattr(client, "kind", JOBS), requests=len(samples),
+               warmup=load.warmup, protocol=client.protocol,
                summary=summary, cpu=cpu, cdf=cdf_points(samples, load.warmup, load.concurrency),
                samples=[[x.i, round(x.start, 4), round(x.latency_s, 4), x.ok, x.ttft_s and round(x.ttft_s, 4),
                          x.completion_tokens, x.batch_size, x.engine_time_s and round(x.engine_time_s, 4)]

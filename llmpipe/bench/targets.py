@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from llmpipe.bench.kinds import JOBS, STREAMING
 
-def _find(rows: list[dict], engine: str, mode: str, load: str | None = None) -> dict | None:
+# Real vLLM: the pipeline (as `make up` ships it: pipeline-window50, in the default run)
+# against `vllm serve MODEL` as a user types it, at every load and in every request kind.
+VLLM_SERVE = "vllm-serve"
+TOK_S_RATIO = 0.95  # output tokens/s, pipeline / vllm serve, at least
+TTFT_RATIO = 1.1  # TTFT p50 (streaming kinds), pipeline / vllm serve, at most
+
+
+def _find(rows: list[dict], engine: str, mode: str, load: str | None = None, kind: str | None = None) -> dict | None:
     ok = [r for r in rows if r["engine"] == engine and r["mode"] == mode and "summary" in r
-          and (load is None or r["load"] == load)]
+          and (load is None or r["load"] == load) and (kind is None or r.get("kind", JOBS) == kind)]
     return ok[-1] if ok else None
 
 
@@ -23,8 +31,9 @@ def _p(row: dict, q: str = "p50", key: str = "latency_s") -> float | None:
     return v.get(q) if v else None
 
 
-def _t(name: str, target: str, value: float | None, ok: bool | None, detail: str) -> dict:
-    return {"name": name, "target": target, "value": value, "met": ok, "detail": detail}
+def _t(name: str, target: str, value: float | None, ok: bool | None, detail: str, **where) -> dict:
+    """``where``: the rows a target compares (engine, mode, kind, load, against), for the report."""
+    return {"name": name, "target": target, "value": value, "met": ok, "detail": detail, **where}
 
 
 def evaluate(rows: list[dict], theoretical: dict[str, float]) -> list[dict]:
@@ -72,19 +81,7 @@ def evaluate(rows: list[dict], theoretical: dict[str, float]) -> list[dict]:
         out.append(_t("noop: idle latency added by the 50 ms window (p50, window 50 minus window 0, one client)",
                       "<= 5 ms (0, not 50)", d, d <= 5.0, detail))
     out += floor_targets(rows)
-    # Real vLLM: the pipeline's continuous batching against `vllm serve` at the same concurrency.
-    for mode in ("pipeline-continuous", "pipeline-window50"):
-        load = _top_common_load(rows, "real", mode, "vllm-serve")
-        if not load:
-            continue
-        p, v = _find(rows, "real", mode, load), _find(rows, "real", "vllm-serve", load)
-        rp, rv = p["summary"]["throughput_rps"], v["summary"]["throughput_rps"]
-        out.append(_t(f"real vLLM: {mode} throughput vs vllm serve", ">= 1.0x", rp / rv if rv else None,
-                      bool(rv) and rp / rv >= 1.0, f"{load}: {rp:.2f} vs {rv:.2f} req/s"))
-        pp, pv = _p(p, "p99"), _p(v, "p99")
-        if pp and pv:
-            out.append(_t(f"real vLLM: {mode} p99 vs vllm serve", "<= 1.1x", pp / pv, pp / pv <= 1.1,
-                          f"{load}: {pp * 1000:.0f} vs {pv * 1000:.0f} ms"))
+    out += real_targets(rows)
     return out
 
 
@@ -125,4 +122,41 @@ def floor_targets(rows: list[dict], mode: str = "pipeline-window50", floor: str 
         out.append(_t("noop: a stream's end after its job completed (p50)", "<= 5 ms", lag["p50_ms"], lag["p50_ms"] <= 5.0,
                       f"{lag['n']} streaming requests one at a time; p90 {lag['p90_ms']:.1f} ms; client's [DONE] "
                       "minus the job record's terminal write"))
+    return out
+
+
+def _any(rows: list[dict], mode: str, load: str, kind: str) -> dict | None:
+    hit = [r for r in rows if r["engine"] == "real" and r["mode"] == mode and r["load"] == load
+           and r.get("kind", JOBS) == kind]
+    return hit[-1] if hit else None
+
+
+def real_targets(rows: list[dict], modes: tuple[str, ...] | None = None) -> list[dict]:
+    """Per request kind and load that `vllm serve` took: each pipeline mode's (``modes``;
+    default: every one in the rows) output tokens/s >= 0.95x and, where it streams, TTFT p50
+    <= 1.1x `vllm serve`'s. A point that failed on either side is a missed target."""
+    if modes is None:
+        modes = tuple(dict.fromkeys(r["mode"] for r in rows if r["engine"] == "real" and r["mode"].startswith("pipeline")))
+    out: list[dict] = []
+    for mode in modes:
+        for v in [r for r in rows if r["engine"] == "real" and r["mode"] == VLLM_SERVE]:
+            kind, load = v.get("kind", JOBS), v["load"]
+            p = _any(rows, mode, load, kind)
+            if p is None:
+                continue
+            where = {"engine": "real", "mode": mode, "kind": kind, "load": load, "against": VLLM_SERVE}
+            name = f"real vLLM, {kind}, {load}: {mode}"
+            failed = next((f"{r['mode']} failed: {str(r.get('error', ''))[:120]}" for r in (p, v) if "summary" not in r), None)
+            if failed:
+                out.append(_t(f"{name} output tok/s vs vllm serve", f">= {TOK_S_RATIO}x", None, False, failed, **where))
+                continue
+            tp, tv = p["summary"]["output_tok_s"], v["summary"]["output_tok_s"]
+            ratio = tp / tv if tv else None
+            out.append(_t(f"{name} output tok/s vs vllm serve", f">= {TOK_S_RATIO}x", ratio,
+                          ratio is not None and ratio >= TOK_S_RATIO, f"{tp:.1f} vs {tv:.1f} tok/s", **where))
+            fp, fv = _p(p, "p50", "ttft_s"), _p(v, "p50", "ttft_s")
+            if kind in STREAMING:
+                ok = bool(fp and fv) and fp / fv <= TTFT_RATIO
+                out.append(_t(f"{name} TTFT p50 vs vllm serve", f"<= {TTFT_RATIO}x", fp / fv if fp and fv else None, ok,
+                              f"{fp * 1000:.0f} vs {fv * 1000:.0f} ms" if fp and fv else "no TTFT measured", **where))
     return out

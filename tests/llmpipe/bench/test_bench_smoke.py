@@ -29,6 +29,14 @@ def test_bench_quick_writes_json_markdown_and_plots(tmp_path, tiny_model):
     seen = {(r["engine"], r["mode"]) for r in result["rows"]}
     assert {("noop", "pipeline-window50"), ("simulated", "serial"), ("simulated", "pipeline-window50"),
             ("real", "pipeline-window50")} <= seen
+    # The real engine's pipeline through its OpenAI endpoints, in all four request kinds;
+    # a TTFT where the answer streams.
+    real = {r["kind"]: r for r in result["rows"] if r["engine"] == "real"}
+    assert set(real) == {"completions-stream", "completions", "chat-stream", "chat"}
+    for kind, row in real.items():
+        assert (row["summary"]["ttft_s"] is not None) is kind.endswith("-stream")
+        assert row["summary"]["completion_tokens_mean"] == 8  # --quick's max_tokens, ignore_eos
+        assert row["summary"]["stage_p50_s"]  # the job API's timings, read back by job id
     for row in result["rows"]:
         assert "summary" in row, row.get("error")
         assert SUMMARY_KEYS <= row["summary"].keys()

@@ -1,5 +1,5 @@
-"""The serial baseline server answers the job API and the OpenAI streaming endpoint, and
-the load generator reads both the same way."""
+"""The serial baseline server answers the job API and the OpenAI completions endpoint
+(streamed and not), and the load generator reads them the same way."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def serial(tmp_path_factory, tiny_model):
 
 
 def test_jobs_and_openai_protocols(serial):
-    from llmpipe.bench.loadgen import JobsClient, OpenAIClient, enrich, run_load
+    from llmpipe.bench.loadgen import JobsClient, enrich, run_load
+    from llmpipe.bench.openai_client import OpenAIClient
     from llmpipe.bench.stats import summarize
 
     prompts = [f"prompt number {i} about bicycles" for i in range(6)]
@@ -37,6 +38,11 @@ def test_jobs_and_openai_protocols(serial):
     assert asyncio.run(enrich(serial.url, oa)) == 6
     s = summarize(oa, warmup=3)
     assert s["engine_busy"]["method"].startswith("server") and 0 < s["engine_busy"]["fraction"] <= 1
+    # Not streamed: one JSON answer, no TTFT, and its id still names the job.
+    plain = asyncio.run(run_load(OpenAIClient.of_kind("completions", serial.url, 5, "any"), prompts, requests=3,
+                                 concurrency=3))
+    assert all(s.ok and s.ttft_s is None and s.completion_tokens == 5 for s in plain), [s.error for s in plain]
+    assert asyncio.run(enrich(serial.url, plain)) == 3
     # One at a time: engine intervals never overlap.
     spans = sorted(x.engine_interval for x in jobs)
     assert all(a[1] <= b[0] + 1e-3 for a, b in zip(spans, spans[1:]))

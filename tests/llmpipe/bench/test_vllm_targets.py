@@ -1,0 +1,87 @@
+"""The real engine's targets against `vllm serve` as typed (llmpipe/bench/targets.py
+real_targets): output tok/s >= 0.95x and, for the streaming kinds, TTFT p50 <= 1.1x, per
+kind and load; and the report's account of where the time went for each missed one."""
+
+from __future__ import annotations
+
+from llmpipe.bench.report import markdown
+from llmpipe.bench.targets import evaluate, real_targets
+from llmpipe.bench.vllm_report import comparison_table, misses
+
+STAGES = {"preprocess": {"queue_wait_s": 0.004, "run_s": 0.006}, "inference": {"queue_wait_s": 0.01, "run_s": 0.9},
+          "postprocess": {"queue_wait_s": 0.003, "run_s": 0.002}}
+
+
+def _row(mode: str, kind: str, load: str, tok_s: float, ttft: float | None, **extra) -> dict:
+    pipeline = mode.startswith("pipeline")
+    cpu = {"api": 4.0, "preprocess": 1.0, "inference": 30.0, "postprocess": 1.0, "redis": 0.5} if pipeline else {mode: 33.0}
+    return {"engine": "real", "mode": mode, "kind": kind, "load": load, "concurrency": int(load[2:]), "requests": 40,
+            "summary": {"output_tok_s": tok_s, "throughput_rps": tok_s / 32, "ttft_s": {"p50": ttft} if ttft else None,
+                        "latency_s": {"p50": 1.0, "p90": 1.1, "p99": 1.2}, "engine_time_s": {"p50": 0.85},
+                        "stage_p50_s": STAGES if pipeline else None, "measured": 20, "errors": 0,
+                        "engine_busy": {"fraction": 1.0, "method": "client"}},
+            "cpu": {"wall_s": 20.0, "cores": 2, "cpu_s": {**cpu, "loadgen": 0.4}, "other_cpu_s": 2.0}, **extra}
+
+
+ROWS = [
+    _row("pipeline-window50", "completions-stream", "c=1", 96.0, 0.105),
+    _row("vllm-serve", "completions-stream", "c=1", 100.0, 0.100),
+    _row("pipeline-window50", "completions-stream", "c=8", 90.0, 0.120),
+    _row("vllm-serve", "completions-stream", "c=8", 100.0, 0.100),
+    _row("vllm-serve-matched", "completions-stream", "c=8", 92.0, 0.110),
+    _row("pipeline-window50", "completions", "c=8", 95.0, None),
+    _row("vllm-serve", "completions", "c=8", 100.0, None),
+    {"engine": "real", "mode": "pipeline-window50", "kind": "chat-stream", "load": "c=32", "concurrency": 32,
+     "error": "start failed: no engine"},
+    _row("vllm-serve", "chat-stream", "c=32", 300.0, 0.3),
+]
+
+
+def _got(targets: list[dict]) -> dict[tuple[str, str, str], tuple[float | None, bool]]:
+    return {(t["kind"], t["load"], "tok/s" if "tok/s" in t["name"] else "ttft"): (t["value"] and round(t["value"], 3),
+                                                                                t["met"]) for t in targets}
+
+
+def test_tokens_per_second_and_ttft_ratios_per_kind_and_load():
+    got = _got(real_targets(ROWS))
+    assert got == {
+        ("completions-stream", "c=1", "tok/s"): (0.96, True),
+        ("completions-stream", "c=1", "ttft"): (1.05, True),
+        ("completions-stream", "c=8", "tok/s"): (0.9, False),
+        ("completions-stream", "c=8", "ttft"): (1.2, False),
+        ("completions", "c=8", "tok/s"): (0.95, True),  # no TTFT target: the answer does not stream
+        ("chat-stream", "c=32", "tok/s"): (None, False),  # the pipeline's point failed: missed, not left out
+    }
+    assert all(t["against"] == "vllm-serve" and t["mode"] == "pipeline-window50" for t in real_targets(ROWS))
+    # evaluate() runs them with the rest (no simulated or noop rows here, so only these).
+    assert _got(evaluate(ROWS, {})) == got
+
+
+def test_the_matched_server_is_compared_but_sets_no_target():
+    table = comparison_table(ROWS)
+    line = next(ln for ln in table if "| completions-stream | c=8 |" in ln)
+    assert "90.0 / 100.0 / 92.0" in line and "| 0.90x | 0.98x |" in line and "120 / 100 / 110" in line
+    assert not any(t["mode"] == "vllm-serve-matched" for t in real_targets(ROWS))
+
+
+def test_each_missed_point_shows_its_stage_timings_and_cpu_per_process():
+    targets = real_targets(ROWS)
+    text = "\n".join(misses(ROWS, targets))
+    assert "**pipeline-window50, completions-stream, c=8**" in text and "**pipeline-window50, chat-stream, c=32**" in text
+    assert "c=1**" not in text and "completions, c=8**" not in text  # met: nothing to explain
+    assert "preprocess wait 4 / run 6, inference wait 10 / run 900, postprocess wait 3 / run 2" in text
+    assert "engine time 850" in text and "TTFT 120 (vllm serve: end-to-end 1000, TTFT 100)" in text
+    # CPU ms per request by group: 40 requests, e.g. the inference worker's 30 s -> 750 ms.
+    assert "api 100, preprocess 25, inference 750, postprocess 25, redis 12 (serving processes 912 in all)" in text
+    assert "vllm serve: vllm-serve 825 (serving processes 825 in all)" in text
+    assert "a point failed" in text
+
+
+def test_the_report_carries_the_targets_and_the_comparison():
+    result = {"meta": {"started": "t", "command": "llmpipe bench", "machine": "m", "versions": {}, "duration_s": 1.0,
+                       "loadavg_start": "0", "loadavg_end": "0"},
+              "plans": [{"engine": "real", "label": "vllm on smollm2", "settings_text": "", "notes": []}],
+              "rows": ROWS, "targets": real_targets(ROWS)}
+    md = markdown(result, {})
+    assert "real vLLM, completions-stream, c=8: pipeline-window50 output tok/s vs vllm serve | >= 0.95x | 0.90 | **no**" in md
+    assert "Against `vllm serve`" in md and "Where the time goes, for each missed target" in md
