@@ -34,6 +34,7 @@ from typing import Any
 
 from llmpipe.jobs.store import DEADLINE_INDEX, JobStore
 from llmpipe.messages import JobStatus
+from llmpipe.settings import get_settings
 
 log = logging.getLogger("llmpipe.jobs.watchdog")
 
@@ -60,7 +61,8 @@ class Watchdog:
                  scan_count: int = 0, clock: Callable[[], float] = time.time, deadletters: Any = None,
                  meta_key: Callable[[str], str] = celery_meta_key):
         self.r = r
-        self.store = store or JobStore(r, 24 * 3600)
+        # The job records' TTL is the settings' (result_ttl_s), as every JobStore's.
+        self.store = store if store is not None else JobStore(r, get_settings().result_ttl_s)
         self.grace_s = grace_s
         self.batch = batch
         self.scan_count = scan_count
