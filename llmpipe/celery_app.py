@@ -23,6 +23,8 @@ def root_is_expected(allow_root: bool | None) -> bool:
 if root_is_expected(get_settings().allow_root):
     warnings.filterwarnings("ignore", category=SecurityWarning, message=".*superuser privileges")
 
-# Tasks requeue a message whose next stage the broker refused (llmpipe/broker/requeue.py).
-app = Celery("llmpipe", task_cls="llmpipe.broker.requeue:RequeueTask")
+# Tasks requeue a message whose next stage the broker refused (llmpipe/broker/requeue.py),
+# and reach their worker process's context as self.ctx (workers/stage_task.py). By string:
+# this module imports nothing from workers.
+app = Celery("llmpipe", task_cls="workers.stage_task:StageTask")
 app.config_from_object("celeryconfig")

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from enum import IntEnum, StrEnum
 
+# Every task is named llmpipe.<what it does>.
+TASK_PREFIX = "llmpipe."
+
 
 class Stage(StrEnum):
     """A stage a request's message passes through, in order, named as its queue and worker
@@ -23,19 +26,24 @@ class Stage(StrEnum):
     @property
     def task(self) -> str:
         """The Celery task name (the API sends tasks by name, never by import)."""
-        return f"llmpipe.{self.value}"
+        return f"{TASK_PREFIX}{self.value}"
 
 
 # The job's last hop, after every request of a job of several prompts: the chord callback.
 COLLECT = "collect"
-COLLECT_TASK = f"llmpipe.{COLLECT}"
+COLLECT_TASK = f"{TASK_PREFIX}{COLLECT}"
 # ``POST /tokenize`` runs on the preprocess queue: the stage that tokenizes answers.
-TOKENIZE_TASK = "llmpipe.tokenize"
+TOKENIZE_TASK = f"{TASK_PREFIX}tokenize"
 
 # Every stage queue, in pipeline order; with several models the inference queue is per model.
 STAGE_QUEUES = (Stage.PREPROCESS.value, Stage.INFERENCE.value, Stage.POSTPROCESS.value, COLLECT)
 # The stages that run on the CPU pools; their pool is the cpu_pool setting.
 CPU_STAGES = (Stage.PREPROCESS, Stage.POSTPROCESS)
+
+
+def task_stage(task_name: str) -> str:
+    """What a task's name says it does: ``llmpipe.inference`` -> ``inference`` (dead letters name it)."""
+    return task_name.removeprefix(TASK_PREFIX)
 
 
 def inference_queue(model: str | None) -> str:

@@ -1,19 +1,9 @@
+"""``llmpipe.tokenize``: ``POST /tokenize``, answered on the preprocess queue (llmpipe/processors/cpu_stages.py)."""
+
 from llmpipe.celery_app import app
-from llmpipe.errors import LlmpipeError
-from workers.context import context
+from llmpipe.stages import TOKENIZE_TASK
 
 
-@app.task(name="llmpipe.tokenize")
-def tokenize(body: dict) -> dict:
-    """``POST /tokenize`` on the preprocess queue: the stage that tokenizes every prompt
-    answers, so the ids are the ones a request would carry (api/vllm/router.py)."""
-    try:
-        body = dict(body)
-        return context().model(body.pop("model", None)).input_processor.tokenize_view(**body)
-    except LlmpipeError as exc:
-        return {"error": {"type": exc.reason.value, "message": exc.message, "param": exc.param}}
-    except Exception as exc:
-        if not any(c.__name__ == "TemplateError" for c in type(exc).__mro__):
-            raise
-        # The chat template refused these messages (jinja2's raise_exception): the client's fault.
-        return {"error": {"type": "invalid_request", "message": f"chat template: {exc}", "param": "messages"}}
+@app.task(name=TOKENIZE_TASK, bind=True)
+def tokenize(self, body: dict) -> dict:
+    return self.ctx.tokenize_stage.run(body)

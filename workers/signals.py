@@ -1,6 +1,6 @@
 """Worker lifecycle hooks: warm the engine (or the tokenizer) at start, release it on
-shutdown. A worker that cannot warm prints one ``llmpipe:`` line and exits with code 3,
-which ``llmpipe up`` reports as the reason it cannot serve."""
+shutdown. A worker that cannot warm prints one ``llmpipe:`` line and exits with code 3
+(ExitCode.CANNOT_WARM), which ``llmpipe up`` reports as the reason it cannot serve."""
 
 from __future__ import annotations
 
@@ -8,15 +8,28 @@ import logging
 import os
 import sys
 
+import redis
 from celery.signals import task_failure, worker_init, worker_process_shutdown, worker_ready, worker_shutdown
+from kombu.transport import redis as kombu_redis
 
+from llmpipe.broker.redis_clients import from_settings
+from llmpipe.broker.requeue import requeued_on
+from llmpipe.celery_app import app
+from llmpipe.jobs.deadletter import DeadLetters
+from llmpipe.jobs.store import JobStore
+from llmpipe.jobs.watchdog import Watchdog, WatchdogLoop
+from llmpipe.observability.heap import freeze_heap
+from llmpipe.observability.readiness import STAGES, ReadinessBeacon
+from llmpipe.settings import get_settings
+from llmpipe.stages import COLLECT, ExitCode, Stage
 from workers import hook, task_logging
 from workers.context import context
 from workers.pool_policy import serves  # its worker_init (pool, kind) runs before the ones below
 
 log = logging.getLogger("llmpipe.worker")
 
-EXIT_CANNOT_WARM = 3
+EXIT_CANNOT_WARM = ExitCode.CANNOT_WARM
+_PRE, _INF, _POST = Stage.PREPROCESS.value, Stage.INFERENCE.value, Stage.POSTPROCESS.value
 
 
 task_logging.install(context().settings.log_content)
@@ -45,8 +58,6 @@ def _declare_stage_queues(sender=None, **_):
     # all of them first (idempotent) makes the binding succeed on any start order.
     if not context().settings.broker_is_amqp:
         return
-    from llmpipe.celery_app import app
-
     try:
         with app.connection_for_write() as conn:
             for queue in app.amqp.queues.values():
@@ -61,7 +72,7 @@ def _warm_cpu_stage(sender=None, **_):
     # forks, so no pool process pays the load on its first request (seconds on a small
     # machine) and a model without a usable tokenizer stops the worker at once.
     # They serve every model: each served model's tokenizer is loaded here once.
-    if serves("preprocess", "postprocess"):
+    if serves(_PRE, _POST):
         ctx = context()
         for m in ctx.served.models:
             try:
@@ -75,7 +86,7 @@ def _warm_cpu_stage(sender=None, **_):
 def _warm(sender=None, **_):
     # The inference worker loads its engine before taking traffic, so the first request
     # does not pay the load (and it answers pings only once the engine is up).
-    if serves("inference"):
+    if serves(_INF):
         s = context().settings
         log.info("loading engine %s for model %s (queue %s)", s.engine.value, context().own_model.name,
                  context().own_model.queue)
@@ -94,8 +105,6 @@ def _freeze_startup_heap(**_):
     # collection no longer walks it (0.2 s of CPU on a heap with torch, measured here), exit
     # skips its final sweep, and prefork children (forked after worker_init) do not write
     # to the pages they share with their parent. vLLM's engine core does the same.
-    from llmpipe.observability.heap import freeze_heap
-
     freeze_heap()
 
 
@@ -107,11 +116,9 @@ def _announce_ready(sender=None, **_):
     # After _warm (connected first, so it runs first): the API's GET /health answers 200
     # once every stage has a ready worker (llmpipe/observability/readiness.py).
     global _beacon
-    from llmpipe.observability.readiness import STAGES, ReadinessBeacon
-
     # An inference worker is ready for its model's queue (inference.<name> with several
     # models): /healthz names the model whose workers are all gone.
-    stages = [context().own_model.queue if s == "inference" else s for s in STAGES if serves(s)]
+    stages = [context().own_model.queue if s == _INF else s for s in STAGES if serves(s)]
     node = getattr(sender, "hostname", None) or f"pid{os.getpid()}"
     _beacon = ReadinessBeacon(context().redis, stages, node).start()
 
@@ -138,16 +145,9 @@ def _start_watchdog(sender=None, **_):
     # jobs that nothing finished by their deadline (llmpipe/jobs/watchdog.py). Its own client, so
     # prefork children never share its connections.
     global _watchdog
-    from llmpipe.settings import get_settings
-
     s = get_settings()
-    if not serves("postprocess", "collect") or s.watchdog_interval_s <= 0:
+    if not serves(_POST, COLLECT) or s.watchdog_interval_s <= 0:
         return
-    from llmpipe.broker.redis_clients import from_settings
-    from llmpipe.jobs.deadletter import DeadLetters
-    from llmpipe.jobs.store import JobStore
-    from llmpipe.jobs.watchdog import Watchdog, WatchdogLoop
-
     r = from_settings(s, socket_timeout=5, socket_connect_timeout=3, health_check_interval=30)
     dl = DeadLetters(r, ttl_s=s.deadletter_ttl_s, max_entries=s.deadletter_max_entries)
     _watchdog = WatchdogLoop(Watchdog(r, JobStore(r, s.result_ttl_s), grace_s=s.watchdog_grace_s, deadletters=dl),
@@ -165,28 +165,10 @@ def _dead_letter(sender=None, task_id=None, exception=None, args=None, kwargs=No
     """A task raised an unexpected exception: its chord fails, so its job ends ``failed``
     (the job record is what the API reads), and a dead letter is kept. Not when the broker
     refused the next stage: that message is requeued (llmpipe/broker/requeue.py)."""
-    from llmpipe.broker.requeue import requeued_on
-
     if requeued_on(exception):
         return
-    try:
-        from llmpipe.messages import ErrorReason, JobStatus
-
-        name = getattr(sender, "name", None) or str(sender)
-        msg = args[0] if args and isinstance(args[0], dict) else {}
-        job_id = msg.get("job_id") or (kwargs or {}).get("job_id")
-        index = msg.get("index")
-        context().deadletters.record(
-            stage=name.removeprefix("llmpipe."), reason="task_failure", message=f"{type(exception).__name__}: {exception}",
-            job_id=job_id, request_id=f"{job_id}-{index}" if job_id and index is not None else None,
-            task=name, task_id=task_id,
-        )
-        if job_id:
-            context().jobs.transition(job_id, JobStatus.FAILED, {
-                "type": ErrorReason.INTERNAL.value, "message": f"{type(exception).__name__}: {exception}",
-                "stage": name.removeprefix("llmpipe.")})
-    except Exception:  # never let bookkeeping fail the failure path
-        log.exception("could not dead-letter task %s", task_id)
+    name = getattr(sender, "name", None) or str(sender)
+    context().task_failures.record(name, task_id, exception, args, kwargs)  # never raises
 
 
 def _survive_broker_loss_with_unacked_messages() -> None:
@@ -198,9 +180,6 @@ def _survive_broker_loss_with_unacked_messages() -> None:
     detached client: AttributeError, "Unrecoverable error", and the worker exits. A detached
     transport is a connection error instead: the close goes on, the consumer reconnects, and
     the unacked messages come back by the visibility timeout as after any crash."""
-    import redis
-    from kombu.transport import redis as kombu_redis
-
     original = kombu_redis.Channel._connparams
     if getattr(original, "_llmpipe_patched", False):
         return

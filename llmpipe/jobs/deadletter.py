@@ -28,9 +28,13 @@ from collections.abc import Callable
 from typing import Any
 
 from llmpipe.broker.redis_clients import connect
+from llmpipe.jobs.store import JobStore
+from llmpipe.messages import ErrorReason, JobStatus
 from llmpipe.settings import get_settings
+from llmpipe.stages import task_stage
 
 log = logging.getLogger("llmpipe.jobs.deadletter")
+_worker_log = logging.getLogger("llmpipe.worker")  # a task's failure is the worker's to log
 
 KEY = "llmpipe:deadletter"
 DEFAULT_TTL_S = 7 * 24 * 3600
@@ -90,6 +94,34 @@ class DeadLetters:
         n = self.count()
         self.r.delete(self.key)
         return n
+
+
+class TaskFailures:
+    """A task raised an unexpected exception (workers/signals.py, Celery's task_failure):
+    a dead letter is kept, and its job ends ``failed`` (the job record is what the API
+    reads; the chord fails too)."""
+
+    def __init__(self, deadletters: DeadLetters, jobs: JobStore):
+        self.deadletters = deadletters
+        self.jobs = jobs
+
+    def record(self, name: str, task_id: str | None, exception: BaseException, args: Any = None,
+               kwargs: dict | None = None) -> None:
+        """``name``: the task's; ``args``/``kwargs``: what it was called with (a stage message
+        first, or a chord callback's ``job_id``). Never raises: bookkeeping must not fail the failure path."""
+        try:
+            msg = args[0] if args and isinstance(args[0], dict) else {}
+            job_id = msg.get("job_id") or (kwargs or {}).get("job_id")
+            index = msg.get("index")
+            what = f"{type(exception).__name__}: {exception}"
+            self.deadletters.record(
+                stage=task_stage(name), reason="task_failure", message=what, job_id=job_id,
+                request_id=f"{job_id}-{index}" if job_id and index is not None else None, task=name, task_id=task_id)
+            if job_id:
+                self.jobs.transition(job_id, JobStatus.FAILED, {"type": ErrorReason.INTERNAL.value, "message": what,
+                                                                "stage": task_stage(name)})
+        except Exception:
+            _worker_log.exception("could not dead-letter task %s", task_id)
 
 
 def _format(entries: list[dict]) -> str:

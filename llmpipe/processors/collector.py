@@ -1,8 +1,11 @@
-"""PromptResult[] -> JobResult: the chord callback's logic."""
+"""PromptResult[] -> JobResult: the chord callback's logic (tasks/collect.py), and a job of
+one prompt's last hop (tasks/postprocess.py)."""
 
 from __future__ import annotations
 
+import json
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +13,8 @@ from tenacity import Retrying, retry_if_exception_type, stop_after_delay, wait_e
 
 from llmpipe.broker.redis_clients import UNAVAILABLE_ERRORS
 from llmpipe.messages import ErrorReason, JobResult, JobStatus, PromptResult, Stage, StageError, Usage
+from llmpipe.observability import metrics
+from llmpipe.processors.envelope import as_json
 
 log = logging.getLogger("llmpipe.collect")
 # The job's one INFO line belongs to the postprocess stage's log (issue 15: counts, never content).
@@ -106,3 +111,38 @@ def log_job(job: JobResult, e2e_s: float | None = None) -> None:
                  job.job_id, job.status.value, len(job.results), job.usage.prompt_tokens, job.usage.completion_tokens,
                  batch, " ".join(stages), "" if e2e_s is None else f" e2e_s={e2e_s:.3f}",
                  f" error={job.error.reason.value}" if job.error else "")
+
+
+class JobFinisher:
+    """A job's last hop: its prompts' results written to the job record (which the API
+    reads), its reservation and memos freed (JobCollector), its metrics and its log line.
+    Returns the job's result, which Celery also stores under the job id; only the watchdog
+    reads that, when the record write failed.
+
+    ``release``: frees the job's admission reservation (a no-op without admission limits:
+    the API reserved nothing); ``forget``: drops the job's stage memos."""
+
+    def __init__(self, store: Any, *, release: Callable[[str], Any], forget: Callable[[list[str]], Any],
+                 default_model: str, clock: Callable[[], float] = time.time):
+        self.store = store
+        self._release = release
+        self._forget = forget
+        self.default_model = default_model
+        self._clock = clock
+
+    def finish(self, results: list[dict], job_id: str, submitted_at: float | None, model: str | None = None) -> dict:
+        # One collector per job: its ``recorded`` is this job's (a threads pool runs several at once).
+        collector = JobCollector(self.store, release=self._release, forget=self._forget)
+        job = collector.collect(job_id, results)
+        e2e = max(0.0, self._clock() - submitted_at) if submitted_at is not None else None
+        if e2e is not None:
+            metrics.E2E.labels(model or self.default_model).observe(e2e)
+        log_job(job, e2e)
+        metrics.FINISHED.labels(job.status.value).inc()
+        if not collector.recorded:
+            # Delivered again after the record took its result (or the job had ended): return
+            # what the record holds, so the result stored under the job id never differs.
+            stored = self.store.get(job_id)
+            if stored is not None and stored.result_json:
+                return json.loads(stored.result_json)
+        return as_json(job)

@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from pydantic import BaseModel
+
 from llmpipe.errors import ExpiredError, LlmpipeError
 from llmpipe.messages import Stage, StageError, StageTiming, _Envelope
 
@@ -47,3 +49,8 @@ def run_stage(
     out.timings = [*msg.timings, StageTiming(stage=stage, enqueued_at=msg.enqueued_at, started_at=started, finished_at=finished)]
     out.enqueued_at = finished
     return out
+
+
+def as_json(msg: BaseModel) -> dict:
+    """A stage's outgoing message as it travels (JSON): absent fields (logprobs, echo...) stay out."""
+    return msg.model_dump(mode="json", exclude_none=True)

@@ -82,7 +82,7 @@ class InferenceProcessor:
     ):
         self.engine = engine
         # Called on the batch thread when the engine is gone (EngineDeadError), before any
-        # request hears of it: the worker requeues its messages and exits (workers/context.py).
+        # request hears of it: the worker requeues its messages and exits (workers/engine_death.py).
         self._on_engine_dead = on_engine_dead
         self._clock = clock
         self._publisher = publisher
@@ -116,7 +116,7 @@ class InferenceProcessor:
     def process(self, req: TokenizedRequest, resume: bool = False) -> Generation:
         """``resume``: the message was delivered before (a crash); continue from what the
         earlier delivery published instead of starting over."""
-        return run_stage(Stage.INFERENCE, req, lambda r: self._generate(r, resume), self._failed, self._clock)
+        return run_stage(Stage.INFERENCE, req, lambda r: self._generate(r, resume), self.failed, self._clock)
 
     def cancel(self, job_id: str) -> list[str]:
         """Abort the job's requests running in the engine; each one once."""
@@ -300,7 +300,8 @@ class InferenceProcessor:
         return FinishReason.STOP if base[-1] in stops else None
 
     @staticmethod
-    def _failed(req: TokenizedRequest, error: StageError) -> Generation:
+    def failed(req: TokenizedRequest, error: StageError) -> Generation:
+        """The Generation of a request that failed with ``error`` (no output)."""
         finish = {ErrorReason.EXPIRED: FinishReason.EXPIRED, ErrorReason.CANCELLED: FinishReason.CANCELLED}.get(
             error.reason, FinishReason.ERROR)
         return Generation(

@@ -1,10 +1,10 @@
-"""The running slots the batch lane's share is taken of (workers/context.py)."""
+"""The running slots the batch lane's share is taken of (workers/inference_runtime.py)."""
 
 from types import SimpleNamespace
 
 from llmpipe.jobs.lanes import batch_lane_slots
 from llmpipe.settings import Settings
-from workers.context import engine_running_slots
+from workers.inference_runtime import engine_running_slots
 
 
 def test_the_engines_running_set_where_known_else_the_requests_the_worker_holds():

@@ -1,13 +1,13 @@
-"""The inference worker's queue probe (workers/context.py): does a message wait in any lane?"""
+"""The inference worker's queue probe (workers/inference_runtime.py): does a message wait in any lane?"""
 
 import json
 
 from llmpipe.jobs.lanes import queue_keys
-from workers.context import _queue_probe
+from workers.inference_runtime import queue_probe
 
 
 def test_the_probe_sees_a_message_in_any_lane_and_nothing_in_empty_lanes(redis_client):
-    probe = _queue_probe(redis_client, "inference")
+    probe = queue_probe(redis_client, "inference")
     assert probe() is False
     for key in queue_keys("inference"):
         redis_client.lpush(key, json.dumps({"body": "x"}))

@@ -106,3 +106,23 @@ def test_a_failed_prompt_is_recorded_with_its_error_type(redis_client):
     rec = store.get("j")
     assert rec.status == JobStatus.FAILED
     assert rec.error["type"] == "engine_error" and rec.error["stage"] == "inference"
+
+
+def test_the_finisher_records_the_job_frees_it_and_returns_the_recorded_result_on_a_redelivery(redis_client):
+    import json
+
+    from llmpipe.jobs.store import JobStore
+    from llmpipe.processors.collector import JobFinisher
+
+    jobs = JobStore(redis_client, 60)
+    released, forgotten = [], []
+    finisher = JobFinisher(jobs, release=released.append, forget=forgotten.extend, default_model="tiny",
+                           clock=lambda: 101.0)
+    jobs.create("fin", n_prompts=2, deadline=1e12, now=100.0)
+    first = finisher.finish([_res(1), _res(0)], "fin", submitted_at=100.0)
+    assert [r["index"] for r in first["results"]] == [0, 1] and first["status"] == "succeeded"
+    assert json.loads(jobs.get("fin").result_json) == first
+    assert released == ["fin"] and forgotten == ["fin-0", "fin-1"]
+    # Delivered again after the record took its result: the record's result, not a new one.
+    again = finisher.finish([_res(0)], "fin", submitted_at=100.0)
+    assert again == first
