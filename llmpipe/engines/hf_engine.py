@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
@@ -73,6 +74,20 @@ def _load(torch: Any, auto: Any, model: str, dtype: Any, device: str, seed: int)
     with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed)
         return auto.from_config(config, dtype=dtype)
+
+
+@dataclass
+class _Decoding:
+    """Per request of one batch: its token limit and stop ids, and what it generated so far."""
+
+    limits: list[int]
+    stops: list[set[int]]
+    want_lp: list[bool]
+    tokens: list[list[int]]
+    reasons: list[FinishReason | None]
+    first_at: list[float | None]
+    logprobs: list[list[list[Logprob]] | None]
+    prompt_lp: list[list[list[Logprob]] | None]
 
 
 class TransformersEngine(Engine):
@@ -180,7 +195,49 @@ class TransformersEngine(Engine):
 
     def _run(self, batch: list[EngineRequest], on_tokens: TokenCallback | None) -> list[EngineOutput]:
         torch = self._torch
-        dev = self.device
+        input_ids, attn, positions, width = self._prompt_inputs(batch)
+        st = self._decoding(batch)
+        gens = [
+            torch.Generator(device=self.device).manual_seed(r.params.seed) if r.params.seed is not None else self._generator
+            for r in batch
+        ]
+        keep_all = any(r.params.prompt_logprobs is not None for r in batch)
+        with torch.inference_mode():
+            out = self._model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True,
+                              logits_to_keep=0 if keep_all else 1)
+            past = out.past_key_values
+            if keep_all:
+                for i, r in enumerate(batch):
+                    if r.params.prompt_logprobs is not None:
+                        st.prompt_lp[i] = self._prompt_logprobs(out.logits[i], r.prompt_token_ids, width,
+                                                                r.params.prompt_logprobs)
+            logits = out.logits[:, -1, :]
+            for _ in range(max(st.limits)):
+                chosen = self._choose(logits, batch, gens, st.reasons)
+                lps = torch.log_softmax(logits.float(), dim=-1) if any(st.want_lp) else None
+                self._record(st, batch, chosen, lps, on_tokens)
+                if all(x is not None for x in st.reasons):
+                    break
+                feed = torch.tensor([t[-1] if t else self._pad_id for t in st.tokens], dtype=torch.long,
+                                    device=self.device)
+                attn = torch.cat([attn, attn.new_ones((len(batch), 1))], dim=1)
+                positions = positions[:, -1:] + 1
+                out = self._model(
+                    input_ids=feed[:, None], attention_mask=attn, position_ids=positions, past_key_values=past, use_cache=True
+                )
+                past = out.past_key_values
+                logits = out.logits[:, -1, :]
+        return [
+            EngineOutput(r.request_id, st.tokens[i], st.reasons[i] or FinishReason.LENGTH, first_token_at=st.first_at[i],
+                         logprobs=st.logprobs[i], prompt_logprobs=st.prompt_lp[i],
+                         stop_token=st.tokens[i][-1] if st.reasons[i] is FinishReason.STOP and st.tokens[i]
+                         and st.tokens[i][-1] in r.params.stop_token_ids else None)
+            for i, r in enumerate(batch)
+        ]
+
+    def _prompt_inputs(self, batch: list[EngineRequest]) -> tuple[Any, Any, Any, int]:
+        """The batch's prompts left-padded to one width: (input ids, attention mask, positions, width)."""
+        torch = self._torch
         b = len(batch)
         width = max(len(r.prompt_token_ids) for r in batch)
         input_ids = torch.full((b, width), self._pad_id, dtype=torch.long)
@@ -189,76 +246,44 @@ class TransformersEngine(Engine):
             n = len(r.prompt_token_ids)
             input_ids[i, width - n :] = torch.tensor(r.prompt_token_ids, dtype=torch.long)
             attn[i, width - n :] = 1
-        input_ids, attn = input_ids.to(dev), attn.to(dev)
+        input_ids, attn = input_ids.to(self.device), attn.to(self.device)
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        return input_ids, attn, positions, width
 
-        limits = [min(r.params.max_tokens, self._max_model_len - len(r.prompt_token_ids)) for r in batch]
-        stops = [set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(self._eos_ids)) for r in batch]
-        gens = [
-            torch.Generator(device=dev).manual_seed(r.params.seed) if r.params.seed is not None else self._generator
-            for r in batch
-        ]
-        tokens: list[list[int]] = [[] for _ in batch]
-        reasons: list[FinishReason | None] = [None] * b
-        first_at: list[float | None] = [None] * b
-
+    def _decoding(self, batch: list[EngineRequest]) -> _Decoding:
         want_lp = [r.params.logprobs is not None for r in batch]
-        logprobs: list[list[list[Logprob]] | None] = [[] if w else None for w in want_lp]
-        prompt_lp: list[list[list[Logprob]] | None] = [None] * b
-        keep_all = any(r.params.prompt_logprobs is not None for r in batch)
+        return _Decoding(
+            limits=[min(r.params.max_tokens, self._max_model_len - len(r.prompt_token_ids)) for r in batch],
+            stops=[set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(self._eos_ids)) for r in batch],
+            want_lp=want_lp, tokens=[[] for _ in batch], reasons=[None] * len(batch), first_at=[None] * len(batch),
+            logprobs=[[] if w else None for w in want_lp], prompt_lp=[None] * len(batch))
 
-        with torch.inference_mode():
-            out = self._model(input_ids=input_ids, attention_mask=attn, position_ids=positions, use_cache=True,
-                              logits_to_keep=0 if keep_all else 1)
-            past = out.past_key_values
-            if keep_all:
-                for i, r in enumerate(batch):
-                    if r.params.prompt_logprobs is not None:
-                        prompt_lp[i] = self._prompt_logprobs(out.logits[i], r.prompt_token_ids, width, r.params.prompt_logprobs)
-            logits = out.logits[:, -1, :]
-            for _ in range(max(limits)):
-                chosen = self._choose(logits, batch, gens, reasons)
-                lps = torch.log_softmax(logits.float(), dim=-1) if any(want_lp) else None
-                now = time.time()
-                for i, r in enumerate(batch):
-                    if reasons[i] is not None:
-                        continue
-                    if r.request_id in self._cancelled:
-                        reasons[i] = FinishReason.CANCELLED
-                        ENGINE_ABORTS.inc()
-                        continue
-                    tok = chosen[i]
-                    tokens[i].append(tok)
-                    if want_lp[i]:
-                        logprobs[i].append(_position(lps[i], tok, r.params.logprobs))
-                    if first_at[i] is None:
-                        first_at[i] = now
-                    if tok in stops[i]:
-                        reasons[i] = FinishReason.STOP
-                    elif len(tokens[i]) >= limits[i]:
-                        reasons[i] = FinishReason.LENGTH
-                    if on_tokens is not None:
-                        try:
-                            on_tokens(r.request_id, list(tokens[i]))
-                        except Exception:
-                            log.exception("on_tokens callback failed for %s", r.request_id)
-                if all(x is not None for x in reasons):
-                    break
-                feed = torch.tensor([t[-1] if t else self._pad_id for t in tokens], dtype=torch.long, device=dev)
-                attn = torch.cat([attn, attn.new_ones((b, 1))], dim=1)
-                positions = positions[:, -1:] + 1
-                out = self._model(
-                    input_ids=feed[:, None], attention_mask=attn, position_ids=positions, past_key_values=past, use_cache=True
-                )
-                past = out.past_key_values
-                logits = out.logits[:, -1, :]
-        return [
-            EngineOutput(r.request_id, tokens[i], reasons[i] or FinishReason.LENGTH, first_token_at=first_at[i],
-                         logprobs=logprobs[i], prompt_logprobs=prompt_lp[i],
-                         stop_token=tokens[i][-1] if reasons[i] is FinishReason.STOP and tokens[i]
-                         and tokens[i][-1] in r.params.stop_token_ids else None)
-            for i, r in enumerate(batch)
-        ]
+    def _record(self, st: _Decoding, batch: list[EngineRequest], chosen: list[int], lps: Any,
+                on_tokens: TokenCallback | None) -> None:
+        """One decode step's token for every request still generating, and why one ends."""
+        now = time.time()
+        for i, r in enumerate(batch):
+            if st.reasons[i] is not None:
+                continue
+            if r.request_id in self._cancelled:
+                st.reasons[i] = FinishReason.CANCELLED
+                ENGINE_ABORTS.inc()
+                continue
+            tok = chosen[i]
+            st.tokens[i].append(tok)
+            if st.want_lp[i]:
+                st.logprobs[i].append(_position(lps[i], tok, r.params.logprobs))
+            if st.first_at[i] is None:
+                st.first_at[i] = now
+            if tok in st.stops[i]:
+                st.reasons[i] = FinishReason.STOP
+            elif len(st.tokens[i]) >= st.limits[i]:
+                st.reasons[i] = FinishReason.LENGTH
+            if on_tokens is not None:
+                try:
+                    on_tokens(r.request_id, list(st.tokens[i]))
+                except Exception:
+                    log.exception("on_tokens callback failed for %s", r.request_id)
 
     def _prompt_logprobs(self, logits: Any, ids: list[int], width: int, k: int) -> list[list[Logprob]]:
         """Logprobs of each prompt token given those before it; the first has none."""

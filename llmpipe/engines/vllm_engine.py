@@ -40,6 +40,19 @@ from llmpipe.observability.metrics import ENGINE_ABORTS
 
 log = logging.getLogger(__name__)
 
+# vLLM's finish reasons; none (the stream ended without one): cancelled if it was, else length.
+_FINISH = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.CANCELLED,
+    "repetition": FinishReason.STOP,
+}
+
+
+def _stop_token(stop_reason: Any) -> int | None:
+    """vLLM's stop_reason is the stop token id, a stop string, or None for the tokenizer's EOS."""
+    return stop_reason if isinstance(stop_reason, int) and not isinstance(stop_reason, bool) else None
+
 _GiB = 1 << 30
 
 
@@ -120,7 +133,10 @@ class VllmEngine(Engine):
         self._max_model_len: int | None = None
         self._vocab_size = 0
         self._eos_ids: list[int] = []
+        self._start_loop_and_engine(model, start_timeout_s)
 
+    def _start_loop_and_engine(self, model: str, start_timeout_s: float) -> None:
+        """The loop thread, then AsyncLLM on it; a failed start stops what it started."""
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="vllm-engine-loop", daemon=True)
         self._thread.start()
@@ -242,19 +258,12 @@ class VllmEngine(Engine):
             raise EngineBadRequestError(f"request {rid}: {e}", param=e.parameter) from e
         if finish == "error":
             raise EngineError(f"vLLM reported a request-level error for {rid}", transient=True)
-        reason = {
-            "stop": FinishReason.STOP,
-            "length": FinishReason.LENGTH,
-            "abort": FinishReason.CANCELLED,
-            "repetition": FinishReason.STOP,
-        }.get(finish or "", FinishReason.CANCELLED if rid in self._cancelled else FinishReason.LENGTH)
+        reason = _FINISH.get(finish or "", FinishReason.CANCELLED if rid in self._cancelled else FinishReason.LENGTH)
         extra: dict[str, Any] = {}
         if stop_reason is not None:
             extra["stop_reason"] = stop_reason
-        # vLLM's stop_reason is the stop token id, or None for the tokenizer's EOS.
-        stop_token = stop_reason if isinstance(stop_reason, int) and not isinstance(stop_reason, bool) else None
         return EngineOutput(rid, tokens, reason, first_token_at=first_at, extra=extra, logprobs=logprobs,
-                            prompt_logprobs=prompt_logprobs, stop_token=stop_token)
+                            prompt_logprobs=prompt_logprobs, stop_token=_stop_token(stop_reason))
 
     def _translate(self, exc: BaseException) -> EngineError:
         from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
