@@ -23,7 +23,7 @@ from llmpipe.local.restarts import RestartPolicy
 from llmpipe.local.supervisor import Child, Crash, Supervisor, how_exited, python_env
 from llmpipe.settings import Settings
 from llmpipe.stages import START_FAILURES, Stage
-from workers.launch import KIND_ENV, worker_argv
+from workers.launch import KIND_ENV, node_of, worker_argv
 
 # One worker per stage, in pipeline order (postprocess workers serve the chord callback too).
 WORKER_KINDS = tuple(stage.value for stage in Stage)
@@ -129,7 +129,7 @@ class LocalPipeline:
         """(child name, model) of each worker of ``kind``: one inference worker per served
         model (``inference.<name>`` with several models, llmpipe/models/served.py), one of any other kind."""
         if kind == Stage.INFERENCE and self.s.served.several:
-            return [(f"inference.{m.name}", m.name) for m in self.s.served.models]
+            return [(node_of(kind, self.s, m.name), m.name) for m in self.s.served.models]
         return [(kind, None)]
 
     def start(self) -> LocalPipeline:
