@@ -153,7 +153,7 @@ def test_a_result_is_stored_then_published_without_a_transaction(redis_url, redi
     ps.subscribe("celery-task-meta-job-1")
     ps.get_message(timeout=1)
     before = {k: int(v["calls"]) for k, v in redis_client.info("commandstats").items()}
-    task = app.task(name="llmpipe.postprocess")(_ok)
+    task = app.task(name="llmpipe.postprocess", shared=False)(_ok)  # not registered in llmpipe's own app too
     build_tracer(task.name, task, app=app, eager=False, propagate=False)("job-1", (), {}, {"id": "job-1"})
     after = {k: int(v["calls"]) for k, v in redis_client.info("commandstats").items()}
     delta = {k.removeprefix("cmdstat_"): n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
