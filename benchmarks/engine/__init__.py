@@ -1,0 +1,1 @@
+"""The engine defaults' trade-off: start-up seconds against tokens per second."""
