@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 
 import pytest
+
+from tests.harness.waiting import wait_for
 
 
 def waiting(waiter, r, job_id: str) -> int:
@@ -13,15 +14,6 @@ def waiting(waiter, r, job_id: str) -> int:
     subscription to every job's end is confirmed, and Redis has it (api/waiter.py)."""
     n = waiter.watchers(job_id)
     return n if n and waiter.listening and r.pubsub_numpat() >= 1 else 0
-
-
-def wait_for(pred, timeout: float = 5.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return pred()
 
 
 def finish_job(redis_client, job_id: str, *, text: str = "hi", error: dict | None = None) -> None:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import redis
 
-from tests.waiting import wait_until
+from tests.harness.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -18,10 +18,10 @@ import signal
 import httpx
 import pytest
 
-from tests.stacks import teardown
-from tests.waiting import wait_until
+from tests.harness.stacks import teardown
+from tests.harness.waiting import wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
 

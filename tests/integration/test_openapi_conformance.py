@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.stacks import teardown
+from tests.harness.stacks import teardown
 
 pytestmark = pytest.mark.integration
 

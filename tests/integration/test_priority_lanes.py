@@ -12,7 +12,9 @@ import pytest
 import redis
 
 from llmpipe.local.redis_server import free_port
-from tests.stacks import teardown
+from tests.harness.stacks import teardown
+
+pytestmark = pytest.mark.integration
 
 BACKLOG = 48
 

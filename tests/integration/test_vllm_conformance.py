@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from llmpipe.local.redis_server import free_port
-from tests.stacks import teardown
+from tests.harness.stacks import teardown
 
 pytestmark = pytest.mark.integration
 

@@ -20,9 +20,9 @@ from celery import Celery
 
 from llmpipe.broker.leases import LEASES_KEY, lease_tags_key
 from llmpipe.settings import Settings
-from tests.waiting import wait_until
+from tests.harness.waiting import wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 TTL_S = Settings.model_fields["lease_ttl_s"].default

@@ -3,57 +3,36 @@
 Each module starts its own Redis and its own LocalPipeline (real Celery workers, the API,
 the transformers engine on the tiny model) on the shipped lease and visibility settings (a
 crashed worker's messages come back within lease_ttl_s + lease_sweep_interval_s), and,
-where asked, the test-only fault injection of llmpipe/engines/faulty.py. The helpers live in
-``harness/`` and reach the tests through the ``rel`` fixture (a namespace).
+where asked, the test-only fault injection of llmpipe/testing/faulty.py. The helpers live in
+tests/harness/ and reach the tests through the ``rel`` fixture (a namespace).
 
 Every scenario adds a row (jobs sent, completed, lost, duplicated, recovery time, peak
-memory) to ``ROWS``; the rows are printed at the end of the session and, when
-LLMPIPE_RELIABILITY_OUT names a file, written there as JSON.
+memory) with ``rel.record`` to the reliability table (tests/harness/rows.py).
 """
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 
-from tests.reliability.harness.common import FAULTS, LEASE_SWEEP_S, LEASE_TTL_S, RECOVERY_S, SLACK_S, wait_until
-from tests.reliability.harness.fuzz import fuzz
-from tests.reliability.harness.pipe import start_pipe, stop_pipe
-from tests.reliability.harness.up_pipe import start_up, stop_up
-from tests.reliability.harness.watch import MemSampler, ResultWatch
-
-ROWS: list[dict] = []
-
-
-def record(row: dict) -> None:
-    ROWS.append(row)
-    print("\nreliability:", json.dumps(row))
-    out = os.environ.get("LLMPIPE_RELIABILITY_OUT")
-    if out:
-        Path(out).write_text(json.dumps(ROWS, indent=1))
-
-
-def pytest_terminal_summary(terminalreporter):
-    if not ROWS:
-        return
-    tr = terminalreporter
-    tr.section("reliability")
-    cols = ["scenario", "sent", "completed", "lost", "duplicated", "recovery_s", "peak_rss_mb", "redis_peak_mb", "wall_s"]
-    tr.write_line(" | ".join(cols))
-    for row in ROWS:
-        tr.write_line(" | ".join(str(row.get(c, "")) for c in cols))
+from tests.harness import faults
+from tests.harness.fuzz import fuzz
+from tests.harness.pipe import start_pipe, stop_pipe
+from tests.harness.rows import record
+from tests.harness.up import start_up, stop_up
+from tests.harness.waiting import wait_until
+from tests.harness.watch import MemSampler, ResultWatch
 
 
 @pytest.fixture(scope="session")
 def rel():
     return SimpleNamespace(
-        FAULTS=FAULTS, LEASE_TTL_S=LEASE_TTL_S, LEASE_SWEEP_S=LEASE_SWEEP_S, RECOVERY_S=RECOVERY_S, SLACK_S=SLACK_S,
+        FAULTS=faults.FAULTS, LEASE_TTL_S=faults.LEASE_TTL_S, LEASE_SWEEP_S=faults.LEASE_SWEEP_S,
+        RECOVERY_S=faults.RECOVERY_S, SLACK_S=faults.SLACK_S,
         record=record,
-        wait_until=wait_until,
+        wait_until=partial(wait_until, every=faults.POLL_S),
         start_pipe=start_pipe, stop_pipe=stop_pipe, start_up=start_up, stop_up=stop_up,
         ResultWatch=ResultWatch, MemSampler=MemSampler, fuzz=fuzz,
     )

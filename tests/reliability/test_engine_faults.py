@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.harness import faults
-from tests.reliability.harness.faults import body
+from tests.harness import faults
+from tests.harness.faults import body
+from tests.harness.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -119,7 +120,8 @@ def test_pickled_message_in_the_queue_is_rejected_and_logged_not_executed(pipe, 
     with Connection(pipe.s.redis_url) as conn:
         conn.Producer().publish(_Evil(str(marker)), routing_key="preprocess", serializer="pickle", headers=headers)
     pipe.r.ping()
-    rel_wait(lambda: pipe.r.llen("preprocess") == 0 and pipe.r.hlen("unacked") == 0, 20, "the message to be consumed")
+    wait_until(lambda: pipe.r.llen("preprocess") == 0 and pipe.r.hlen("unacked") == 0, 20, "the message to be consumed",
+               every=0.1)
     time.sleep(0.5)
     assert not marker.exists(), "a worker unpickled a message"
     log = pipe.log("preprocess")
@@ -168,12 +170,3 @@ def test_fuzz_the_live_api_no_5xx_and_no_worker_crash(pipe, rel):
     # no job outcomes to count here (lost, duplicated): the fuzz checks answers and processes
     rel.record({"scenario": "schemathesis fuzz of the live API", "sent": sent, "completed": sent - n5xx,
                 "responses_5xx": n5xx, "worker_crashes": len(crashed), "wall_s": round(time.time() - t0, 1)})
-
-
-def rel_wait(pred, timeout, what):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")

@@ -18,8 +18,8 @@ import time
 
 import pytest
 
-from tests.reliability.harness import faults
-from tests.reliability.harness.faults import body, request_ids
+from tests.harness import faults
+from tests.harness.faults import body, request_ids
 
 pytestmark = pytest.mark.integration
 

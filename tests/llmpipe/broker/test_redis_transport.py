@@ -15,8 +15,8 @@ import pytest
 from kombu import Connection, Consumer, Producer, Queue
 
 from llmpipe.broker.leases import HOLDER_KEY, LEASES_KEY, wake_key
-from tests.kombu_helpers import connect, drain, publish
-from tests.waiting import wait_until
+from tests.harness.brokers import connect, drain, publish
+from tests.harness.waiting import wait_until
 
 
 def test_messages_flow_with_a_lease_and_an_ack_clears_every_record(redis_url, redis_client):

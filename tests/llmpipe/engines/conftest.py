@@ -2,15 +2,7 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
-
-# Also set by tests/conftest.py; repeated so that this folder runs on its own too.
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 MAX_MODEL_LEN = 1024
 

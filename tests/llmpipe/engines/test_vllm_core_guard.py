@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from llmpipe.local.supervisor import alive, descendants
-from tests.stacks import TEST_ENGINE_ENV
+from tests.harness.engine import TEST_ENGINE_ENV
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[3]
 

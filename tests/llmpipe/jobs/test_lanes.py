@@ -11,7 +11,7 @@ from llmpipe.broker.queue_depth import RedisDepths
 from llmpipe.jobs.admission import Admission
 from llmpipe.jobs.lanes import PRIORITY_STEPS, Lane, broker_priority, lane_for, queue_keys
 from llmpipe.processors.batching import Batcher
-from tests.kombu_helpers import connect, drain
+from tests.harness.brokers import connect, drain
 
 
 class Clock:

@@ -1,11 +1,11 @@
-"""The `ups` fixture: `llmpipe up` subprocesses (tests/llmpipe/local/up_harness.py) that a test
-starts, each killed at the test's end if it is still running."""
+"""The `ups` fixture: `llmpipe up` subprocesses (tests/harness/up.py) that a test starts,
+each killed at the test's end if it is still running."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.llmpipe.local.up_harness import Up
+from tests.harness.up import Up
 
 
 @pytest.fixture

@@ -17,16 +17,8 @@ import pytest
 
 from llmpipe.local.redis_server import redis_answers
 from llmpipe.local.supervisor import alive, descendants
-from tests.llmpipe.local.up_harness import (
-    QUESTION,
-    cmdline,
-    flower_json,
-    job_result,
-    one_process,
-    run_chat,
-    submit_job,
-    wait_text,
-)
+from tests.harness.clients import job_result, submit_job
+from tests.harness.up import QUESTION, cmdline, flower_json, one_process, run_chat, wait_text
 
 
 @pytest.mark.integration
@@ -84,6 +76,7 @@ def test_up_serves_then_stops_clean(tmp_path, ups, tiny_model):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_up_restarts_what_is_killed(tmp_path, ups, tiny_model):
     """`kill -9` of the inference worker (vLLM, its engine core in a process of its own as
     vLLM runs by default) and then of the API: each comes back by itself after 1 s, said on

@@ -12,10 +12,12 @@ import httpx
 import pytest
 
 from llmpipe.local.supervisor import alive
-from tests.llmpipe.local.up_harness import cmdline, job_result, queued_in, submit_job, wait_text
+from tests.harness.clients import job_result, submit_job
+from tests.harness.up import cmdline, queued_in, wait_text
 
 
 @pytest.mark.integration
+@pytest.mark.slow
 def test_ctrl_c_loses_no_queued_job(tmp_path, ups, tiny_model):
     state = tmp_path / "state"
     args = ("--model", tiny_model, "--engine", "transformers", "--redis-url", "embedded", "--cpu-workers", "1",

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from llmpipe.local.redis_server import free_port
-from tests.llmpipe.local.up_harness import error_line, run_up
+from tests.harness.up import error_line, run_up
 
 
 def test_port_in_use(tmp_path):

@@ -12,7 +12,7 @@ import psutil
 import redis
 
 if TYPE_CHECKING:
-    from tests.reliability.harness.pipe import Pipe
+    from tests.harness.pipe import Pipe
 
 
 class ResultWatch:

@@ -1,4 +1,7 @@
-"""A LocalPipeline (real Celery workers, the API, an engine) on its own Redis, and the ways the tests hurt it."""
+"""A LocalPipeline (real Celery workers, the API, an engine) on its own Redis, and the ways
+the tests hurt it: ``Pipe`` (its processes, jobs, fault-injection levers, ledgers and broker
+state), ``start_pipe`` and ``stop_pipe``. The reliability tests reach it through their
+``rel`` fixture (tests/reliability/conftest.py)."""
 
 from __future__ import annotations
 
@@ -8,23 +11,31 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import httpx
 import psutil
 import redis
+from celery import Celery
+from kombu import Connection
 
+from llmpipe.broker.leases import HOLDER_KEY, LEASES_KEY, lease_tags_key
+from llmpipe.local.pipeline import LocalPipeline
 from llmpipe.local.redis_server import EmbeddedRedis, free_port
 from llmpipe.settings import Settings
+from llmpipe.stages import STAGE_QUEUES
 from llmpipe.testing import faulty
-from tests.stacks import TEST_ENGINE, teardown
+from llmpipe.testing.faulty import DELAYS_KEY, DIED_KEY, DONE_KEY, STARTED_KEY
+from tests.harness.engine import TEST_ENGINE
+from tests.harness.stacks import teardown
+from tests.harness.waiting import poll, wait_until
+from workers.launch import KINDS
 
 
 class Pipe:
     """A running LocalPipeline plus the levers and gauges the tests need."""
 
     def __init__(self, lp, redis_server: EmbeddedRedis | None):
-        from celery import Celery
-
         self.lp = lp
         self.s = lp.s
         self.redis_server = redis_server
@@ -33,8 +44,6 @@ class Pipe:
         self.probe = Celery(broker=self.s.effective_broker_url)
         self.amqp = None
         if self.s.broker_is_amqp:
-            from kombu import Connection
-
             self.amqp = Connection(self.s.effective_broker_url, connect_timeout=3)
         self._released: dict[str, int | None] = {}  # RabbitMQ: queue -> its consumer count before a kill
 
@@ -93,17 +102,15 @@ class Pipe:
         return time.monotonic() - t0
 
     def wait_worker(self, kind: str, timeout: float = 120) -> None:
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
+        def pinged() -> bool:
             if not self.alive(kind):
                 raise AssertionError(f"{kind} exited with {self.child(kind).proc.returncode}; see {self.child(kind).log_path}")
             try:
-                if self.probe.control.ping(destination=[self.node(kind)], timeout=0.5):
-                    return
+                return bool(self.probe.control.ping(destination=[self.node(kind)], timeout=0.5))
             except Exception:
-                pass
-            time.sleep(0.2)
-        raise AssertionError(f"{kind} not ready after {timeout}s")
+                return False
+
+        wait_until(pinged, timeout, f"{kind} to answer its ping", every=0.2)
 
     def log(self, kind: str) -> str:
         return self.child(kind).log_path.read_text(errors="replace")
@@ -120,8 +127,8 @@ class Pipe:
     def wait_all(self, ids, timeout: float = 120) -> dict[str, dict]:
         """Poll until every job is terminal; each view gets ``_seen_at`` (epoch s)."""
         pending, done = list(ids), {}
-        end = time.monotonic() + timeout
-        while pending and time.monotonic() < end:
+
+        def settled() -> bool:
             still = []
             for j in pending:
                 try:
@@ -134,36 +141,28 @@ class Pipe:
                 else:
                     v["_seen_at"] = time.time()
                     done[j] = v
-            pending = still
-            if pending:
-                time.sleep(0.2)
-        if pending:
+            pending[:] = still
+            return not pending
+
+        if not poll(settled, timeout, every=0.2):
             raise AssertionError(f"{len(pending)} of {len(done) + len(pending)} jobs not terminal after {timeout}s: "
                                  f"{[(j, self.view(j).get('status')) for j in pending[:5]]}")
         return done
 
     # -- fault injection and ledgers --------------------------------------------------
     def set_delay(self, name: str, seconds: float) -> None:
-        from llmpipe.testing.faulty import DELAYS_KEY
-
         self.r.hset(DELAYS_KEY, name, seconds)
 
     def clear_delays(self) -> None:
-        from llmpipe.testing.faulty import DELAYS_KEY
-
         self.r.delete(DELAYS_KEY)
 
     def ledger(self) -> tuple[dict[str, int], dict[str, int]]:
-        from llmpipe.testing.faulty import DONE_KEY, STARTED_KEY
-
         def load(k):
             return {a.decode(): int(b) for a, b in self.r.hgetall(k).items()}
 
         return load(STARTED_KEY), load(DONE_KEY)
 
     def reset_ledger(self) -> None:
-        from llmpipe.testing.faulty import DIED_KEY, DONE_KEY, STARTED_KEY
-
         self.r.delete(STARTED_KEY, DONE_KEY, DIED_KEY)
 
     # -- the broker ------------------------------------------------------------------
@@ -180,8 +179,6 @@ class Pipe:
         """RabbitMQ: note the consumers on ``kind``'s queues, so that unacked_before can tell
         when the broker dropped the dead worker's (and requeued what it held). Redis: nothing."""
         if self.amqp is not None:
-            from workers.launch import KINDS
-
             self._released = {q: self.queue_state(q)[1] for q in (KINDS[kind].queues if kind in KINDS else ())}
 
     def lease(self, kind: str) -> str:
@@ -189,8 +186,6 @@ class Pipe:
         the worker's consumers stand for it (see expect_death, called by kill)."""
         if self.amqp is not None:
             return f"amqp:{kind}"
-        from llmpipe.broker.leases import LEASES_KEY
-
         pid = str(self.pid(kind))
         return next(x.decode() for x in self.r.zrange(LEASES_KEY, 0, -1) if x.decode().split(":")[1] == pid)
 
@@ -199,8 +194,6 @@ class Pipe:
         RabbitMQ: the broker dropped the dead worker's consumers, requeueing what they held."""
         if self.amqp is not None:
             return self.unacked_before(float("inf")) == 0
-        from llmpipe.broker.leases import LEASES_KEY
-
         return self.r.zscore(LEASES_KEY, lease) is None
 
     def held_count(self, lease: str) -> int:
@@ -208,13 +201,7 @@ class Pipe:
         messages of the channels consuming its queues. Asked of the channel processes
         (list_channels), which answer live; queue stats (list_queues) lag by up to 5 s."""
         if self.amqp is None:
-            from llmpipe.broker.leases import lease_tags_key
-
             return int(self.r.hlen(lease_tags_key(lease)))
-        from urllib.parse import unquote, urlsplit
-
-        from workers.launch import KINDS
-
         def ctl(*args: str) -> list[list[str]]:
             out = subprocess.run(["rabbitmqctl", "-q", "--no-table-headers", *args],
                                  capture_output=True, text=True, timeout=30).stdout
@@ -247,8 +234,6 @@ class Pipe:
     def held(self) -> list[tuple]:
         """What is unacked now: (task, age s, holder lease, whether that lease is live), for
         a failure message."""
-        from llmpipe.broker.leases import HOLDER_KEY, LEASES_KEY
-
         out = []
         now = time.time()
         for tag, score in self.r.zrange("unacked_index", 0, -1, withscores=True):
@@ -264,8 +249,8 @@ class Pipe:
 
     def queues_idle(self) -> bool:
         if self.amqp is not None:  # ready messages; the unacked ones settle with their jobs (admission, memo keys)
-            return sum(self.queue_state(q)[0] for q in ("preprocess", "inference", "postprocess", "collect")) == 0
-        lens = [self.r.llen(q) for q in ("preprocess", "inference", "postprocess", "collect")]
+            return sum(self.queue_state(q)[0] for q in STAGE_QUEUES) == 0
+        lens = [self.r.llen(q) for q in STAGE_QUEUES]
         return sum(lens) == 0 and self.r.hlen("unacked") == 0
 
     def stop(self) -> None:
@@ -276,19 +261,19 @@ class Pipe:
         teardown(self.lp, timeout=20)
 
 
+# The reliability stacks: the shipped lease and visibility settings, batches of up to 8, and
+# a watchdog that settles a job 1 s after its deadline, checked every 0.5 s.
+PIPE_DEFAULTS = dict(cpu_workers=1, max_batch_size=8, batch_window_ms=50, kv_cache_gib=1, watchdog_interval_s=0.5,
+                     watchdog_grace_s=1.0, default_timeout_s=90, **TEST_ENGINE)
+
+
 def start_pipe(tmp_path: Path, *, engine: str = "transformers", model: str, faults: dict | None = None,
                redis_appendonly: bool = False, ready_timeout: float = 180, **overrides) -> Pipe:
-    from llmpipe.local.pipeline import LocalPipeline
-
+    """A ready LocalPipeline on a Redis of its own (``redis_appendonly``: with AOF), on
+    PIPE_DEFAULTS and ``overrides``, with the test-only fault injector set to ``faults``."""
     server = EmbeddedRedis(tmp_path / "redis", appendonly=redis_appendonly).start()
-    base = dict(
-        redis_url=server.url, model=model, engine=engine, state_dir=tmp_path, api_port=free_port(),
-        flower_port=free_port(), cpu_workers=1, max_batch_size=8, batch_window_ms=50, kv_cache_gib=1,
-        watchdog_interval_s=0.5, watchdog_grace_s=1.0, default_timeout_s=90,
-    )
-    base.update(TEST_ENGINE)
-    base.update(overrides)
-    s = Settings(**base)
+    s = Settings(redis_url=server.url, model=model, engine=engine, state_dir=tmp_path, api_port=free_port(),
+                 flower_port=free_port(), **{**PIPE_DEFAULTS, **overrides})
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if faults:
         env.update(faulty.env(faults))

@@ -1,0 +1,17 @@
+"""The tests' harness: one package for what tests share (import from it; conftests cannot
+be imported).
+
+- ``plugin``: the pytest plugin (tests/conftest.py loads it): the session's Redis, the tiny
+  models, the brokers and the each_broker rule, the reliability table.
+- ``engine``: the engine every test stack runs (float32, eager) and vLLM's CPU environment.
+- ``stacks``: a LocalPipeline on the tests' settings (``start_pipeline``), ``teardown``.
+- ``pipe``: ``Pipe``, a pipeline on its own Redis with the levers the reliability tests pull.
+- ``up``: ``llmpipe up`` as a user runs it (``Up``, ``UpPipe``) and the job helpers on it.
+- ``celery_cli``: ``PlainCelery``, stages started with Celery's own commands.
+- ``faults``: the fault injector's markers, the shipped recovery bounds, the fault pipeline.
+- ``brokers``: the brokers under test, RabbitMQ vhosts, kombu on the lease transport.
+- ``clients``: a job submitted, read and waited for through the job API.
+- ``waiting``: ``wait_until`` / ``wait_for``, the one polling loop.
+- ``watch``: results published per task id, peak memory. ``fuzz``: schemathesis.
+- ``rows``: the reliability table.
+"""

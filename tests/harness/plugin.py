@@ -1,0 +1,125 @@
+"""The tests' pytest plugin (loaded by tests/conftest.py): the session's Redis, the tiny
+models, the brokers, the each_broker rule and the reliability table. Stacks: tests/harness/stacks.py."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import redis
+
+from llmpipe.local.redis_server import EmbeddedRedis
+from tests.harness import rows
+from tests.harness.brokers import AMQP_URL, TEST_BROKERS, check_rabbitmq, delete_vhost, make_vhost, reset_broker_queues
+from tests.harness.engine import apply_test_env
+
+apply_test_env()
+
+MODEL_CACHE = Path(os.environ.get("LLMPIPE_TEST_CACHE", Path.home() / ".cache" / "llmpipe-test"))
+
+
+# -- the session's Redis and models ----------------------------------------------------------
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """A redis-server of the session's own (no AOF), for tests that need a Redis."""
+    server = EmbeddedRedis(tmp_path_factory.mktemp("redis"), appendonly=False).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(redis_server) -> str:
+    return redis_server.url
+
+
+@pytest.fixture
+def redis_client(redis_url):
+    """A client of the session's Redis, emptied (flushdb) for this test."""
+    r = redis.Redis.from_url(redis_url)
+    r.flushdb()
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> str:
+    from llmpipe.models.tiny import build_tiny
+
+    return str(build_tiny(MODEL_CACHE / "tiny"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_b() -> str:
+    """A second tiny model: the same shape and tokenizer, other weights (seed 1), so that
+    two served models answer the same prompt differently."""
+    from llmpipe.models.tiny import build_tiny
+
+    return str(build_tiny(MODEL_CACHE / "tiny-seed1", seed=1))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+# -- brokers (tests/harness/brokers.py) ------------------------------------------------------
+def pytest_collection_modifyitems(config, items):
+    """A test on a broker-parametrized pipeline runs on RabbitMQ only when marked each_broker."""
+    keep, drop = [], []
+    for item in items:
+        cs = getattr(item, "callspec", None)
+        on_other = cs is not None and cs.params.get("broker", "redis") != "redis"
+        (drop if on_other and item.get_closest_marker("each_broker") is None else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_url():
+    """An AMQP URL on a vhost of this session's own (made with rabbitmqctl, deleted at the
+    end); without rabbitmqctl, LLMPIPE_TEST_AMQP_URL as given (point it at a spare vhost)."""
+    check_rabbitmq()
+    vhost = f"llmpipe-test-{os.getpid()}"
+    url = make_vhost(vhost)
+    yield url or AMQP_URL
+    if url:
+        delete_vhost(vhost)
+
+
+@pytest.fixture(scope="module", params=TEST_BROKERS)
+def broker(request) -> str:
+    """The broker kind of a broker-parametrized pipeline: "redis" or "rabbitmq"."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def broker_url(request, broker) -> str | None:
+    """None: the pipeline's Redis is its broker (the default); else RabbitMQ's URL, its
+    stage queues emptied."""
+    if broker == "redis":
+        return None
+    if broker != "rabbitmq":
+        raise ValueError(f"unknown broker {broker!r} in LLMPIPE_TEST_BROKERS (redis, rabbitmq)")
+    url = request.getfixturevalue("rabbitmq_url")
+    reset_broker_queues(url)
+    return url
+
+
+# -- the reliability table (tests/harness/rows.py) -------------------------------------------
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    rows.running(item)
+    yield
+    rows.running(None)
+
+
+def pytest_runtest_logreport(report):
+    rows.gather(report)
+
+
+def pytest_terminal_summary(terminalreporter):
+    rows.summary(terminalreporter)

@@ -1,1 +1,0 @@
-"""Helpers of the reliability tests, reached through conftest's ``rel`` fixture."""
