@@ -52,6 +52,28 @@ def inference_queue(model: str | None) -> str:
     return Stage.INFERENCE.value if model is None else f"{Stage.INFERENCE.value}.{model}"
 
 
+# Each inference worker also consumes a queue of its own, ``<model's queue>~<worker node>``
+# (``inference~inference-2-8000@llmpipe``), where preprocess sends the requests whose prompt
+# prefix that worker has cached (llmpipe/routing/). Neither a model name nor a Celery queue
+# or node name holds "~" ("@" is in every node name, and so in Celery's pidbox queues), so
+# the first one splits a worker queue back into the model's (shared) queue and the node.
+WORKER_QUEUE_SEP = "~"
+
+
+def worker_queue(shared: str, node: str) -> str:
+    """The queue of its own that the inference worker ``node`` consumes besides ``shared``."""
+    return f"{shared}{WORKER_QUEUE_SEP}{node}"
+
+
+def is_worker_queue(queue: str) -> bool:
+    return WORKER_QUEUE_SEP in queue
+
+
+def shared_queue(queue: str) -> str:
+    """``inference~inference-2-8000@llmpipe`` -> ``inference``; any other queue is its own."""
+    return queue.split(WORKER_QUEUE_SEP, 1)[0]
+
+
 class ExitCode(IntEnum):
     """How a worker tells ``llmpipe up`` that it cannot start as configured. Before the
     stack first served, restarting such a child only repeats the error, so ``llmpipe up``

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import redis
 
+from llmpipe.stages import WORKER_QUEUE_SEP, shared_queue
+
 log = logging.getLogger("llmpipe.broker.leases")
 
 PREFIX = "llmpipe:"
@@ -137,10 +139,12 @@ return 1
 """
 
 # KEYS: leases, unacked, unacked_index, holder. ARGV: now|'', limit, lease tags prefix,
-# wake prefix, queue key separator, lease id|''. With a lease id, releases that lease;
-# else every lease expired by now (at most limit). A released lease's messages that it
-# still holds go back to the front of their queues (oldest delivery frontmost), each with
-# a wake token, and the lease is deleted. Replies {id, restored count, ...}.
+# wake prefix, queue key separator, lease id|'', worker queue separator. With a lease id,
+# releases that lease; else every lease expired by now (at most limit). A released lease's
+# messages that it still holds go back to the front of their queues (oldest delivery
+# frontmost), each with a wake token, and the lease is deleted; a message it claimed from
+# a single worker's own queue (``inference~node``) goes to that queue's shared one instead,
+# for any other worker to take (llmpipe/broker/worker_queues.py). Replies {id, restored count, ...}.
 SWEEP_LUA = _CLOCK + """
 local now = clock(ARGV[1])
 local ids
@@ -174,10 +178,13 @@ for _, id in ipairs(ids) do
   end
   table.sort(items, function(a, b) return a[3] > b[3] end)
   for _, it in ipairs(items) do
-    redis.call('RPUSH', it[2], it[1])
-    local p = string.find(it[2], ARGV[5], 1, true)
-    local q = it[2]
-    if p then q = string.sub(it[2], 1, p - 1) end
+    local key = it[2]
+    local p = string.find(key, ARGV[5], 1, true)
+    local q, suffix = key, ''
+    if p then q, suffix = string.sub(key, 1, p - 1), string.sub(key, p) end
+    local w = string.find(q, ARGV[7], 1, true)
+    if w then q = string.sub(q, 1, w - 1) end
+    redis.call('RPUSH', q .. suffix, it[1])
     redis.call('LPUSH', ARGV[4] .. q, '1')
   end
   redis.call('DEL', hk)
@@ -187,6 +194,15 @@ for _, id in ipairs(ids) do
 end
 return out
 """
+
+
+# For other scripts on Redis server time (llmpipe/routing/, llmpipe/broker/worker_queues.py).
+CLOCK_LUA = _CLOCK
+
+
+def now_arg(now: float | None) -> str:
+    """A script's ``now`` argument: '' for Redis server time, else the time given (tests)."""
+    return _now_arg(now)
 
 
 def new_lease_id() -> str:
@@ -277,7 +293,8 @@ class LeaseStore:
 
     def _run_sweep(self, now: float | None, limit: int, lease_id: str) -> list[tuple[str, int]]:
         out = self._sweep(keys=[LEASES_KEY, self.unacked_key, self.unacked_index_key, HOLDER_KEY],
-                          args=[_now_arg(now), limit, LEASE_TAGS_PREFIX, WAKE_PREFIX, self.sep, lease_id])
+                          args=[_now_arg(now), limit, LEASE_TAGS_PREFIX, WAKE_PREFIX, self.sep, lease_id,
+                                WORKER_QUEUE_SEP])
         return [(_s(out[i]), int(out[i + 1])) for i in range(0, len(out), 2)]
 
     def sweep(self, now: float | None = None, limit: int = 100) -> list[tuple[str, int]]:
@@ -301,18 +318,22 @@ class LeaseStore:
 class LeaseKeeper:
     """Renews a process's leases and sweeps dead ones, on a daemon thread.
 
-    ``tick`` is one round (renew, then sweep) and takes the time from ``clock``; the thread
-    only calls it every ``every_s``. A lease found gone (this process was silent longer than
-    the TTL and another worker handed its messages on) is reported to ``on_lost``."""
+    ``tick`` is one round (renew, sweep, then ``drain``: the single workers' queues of dead
+    leases back to their shared queues, llmpipe/broker/worker_queues.py) and takes the time
+    from ``clock``; the thread only calls it every ``every_s``. A lease found gone (this
+    process was silent longer than the TTL and another worker handed its messages on) is
+    reported to ``on_lost``."""
 
     def __init__(self, store: LeaseStore, ttl_s: float, every_s: float, *,
                  on_lost: Callable[[str], None] = lambda lease_id: None,
-                 on_swept: Callable[[str, int], None] | None = None, clock: Callable[[], float] = time.monotonic):
+                 on_swept: Callable[[str, int], None] | None = None,
+                 drain: Callable[[], list[tuple[str, int]]] | None = None, clock: Callable[[], float] = time.monotonic):
         self.store = store
         self.ttl_s = ttl_s
         self.every_s = every_s
         self.on_lost = on_lost
         self.on_swept = on_swept or _log_swept
+        self.drain = drain
         self.clock = clock
         self._ids: set[str] = set()
         self._lock = threading.Lock()
@@ -341,6 +362,10 @@ class LeaseKeeper:
             self.last_renewed = now
         for lease_id, n in self.store.sweep():
             self.on_swept(lease_id, n)
+        if self.drain is not None:
+            for queue, n in self.drain():
+                log.warning("worker queue %s has no live consumer: %d message(s) back at the front of %s", queue, n,
+                            shared_queue(queue))
 
     def start(self) -> LeaseKeeper:
         if self._thread is None:

@@ -42,6 +42,8 @@ from llmpipe.broker.leases import (
     parse_claim,
     wake_key,
 )
+from llmpipe.broker.worker_queues import Drainer
+from llmpipe.stages import is_worker_queue, shared_queue
 
 log = logging.getLogger("llmpipe.broker.leases")
 
@@ -179,6 +181,10 @@ class Channel(kombu_redis.Channel):
     def _lease_pool(self):
         return kombu_redis.redis.ConnectionPool(**self._connparams())
 
+    @cached_property
+    def _drainer(self) -> Drainer:
+        return Drainer(self._lease_store.r)
+
     def _ensure_lease(self) -> str | None:
         if self._leases_closed or os.getpid() != self._lease_pid:
             return None
@@ -188,9 +194,11 @@ class Channel(kombu_redis.Channel):
                 store.load_scripts()
                 lease_id = new_lease_id()
                 store.create(lease_id, self.lease_ttl)
+                # the worker queues it consumes are its own until this lease dies (llmpipe/broker/worker_queues.py)
+                self._drainer.own([q for q in self._active_queues if is_worker_queue(q)], lease_id)
                 if self._keeper is None:
                     self._keeper = LeaseKeeper(store, self.lease_ttl, min(self.lease_sweep_interval, self.lease_ttl / 3),
-                                               on_lost=self._on_lease_lost).start()
+                                               on_lost=self._on_lease_lost, drain=self._drainer.drain).start()
                 self._keeper.hold(lease_id)
                 self._lease_id = lease_id
                 log.info("lease %s taken (ttl %.1fs)", lease_id, self.lease_ttl)
@@ -226,7 +234,11 @@ class Channel(kombu_redis.Channel):
             self._no_ack_queues.add(queue)
         else:
             self._no_ack_queues.discard(queue)
-        return super().basic_consume(queue, no_ack, *args, **kwargs)
+        out = super().basic_consume(queue, no_ack, *args, **kwargs)
+        lease_id = self._lease_id
+        if lease_id is not None and is_worker_queue(queue):
+            self._drainer.own([queue], lease_id)
+        return out
 
     def _brpop_start(self, timeout=None):
         if timeout is None:
@@ -324,14 +336,25 @@ class Channel(kombu_redis.Channel):
                 pipe.execute()
 
     def _do_restore_message(self, payload, exchange, routing_key, pipe, leftmost=False):
-        super()._do_restore_message(payload, exchange, routing_key, pipe, leftmost)
+        """kombu's restore, with a wake token per message, and a message of a single
+        worker's own queue restored to its shared queue: the worker that gives it back
+        cannot serve it (llmpipe/broker/worker_queues.py)."""
         try:
-            for queue in self._lookup(exchange, routing_key):
+            try:
+                payload["headers"]["redelivered"] = True
+                payload["properties"]["delivery_info"]["redelivered"] = True
+            except KeyError:
+                pass
+            pri = self._get_message_priority(payload, reverse=False)
+            for queue in dict.fromkeys(shared_queue(q) for q in self._lookup(exchange, routing_key)):
+                (pipe.lpush if leftmost else pipe.rpush)(self._q_for_pri(queue, pri), dumps(payload))
                 pipe.lpush(wake_key(queue), "1")
         except self.connection_errors:
+            # Abort the transaction: it would otherwise remove the message from the unacked
+            # hash without requeueing it.
             raise
         except Exception:
-            log.debug("no wake token for a restored message", exc_info=True)
+            log.critical("could not restore message: %r", payload, exc_info=True)
 
     def _restore(self, message, leftmost=False):
         tag = message.delivery_tag

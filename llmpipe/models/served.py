@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from llmpipe.errors import ModelNotFoundError
-from llmpipe.stages import COLLECT, Stage
+from llmpipe.stages import COLLECT, Stage, shared_queue
 from llmpipe.stages import inference_queue as _queue_of
 
 INFERENCE = Stage.INFERENCE.value
@@ -82,6 +82,8 @@ def inference_queue(name: str, several: bool) -> str:
 
 
 def is_inference_queue(queue: str) -> bool:
+    """A model's inference queue, or one of its workers' own (``inference~node``)."""
+    queue = shared_queue(queue)
     return queue == INFERENCE or queue.startswith(INFERENCE_PREFIX)
 
 
@@ -91,7 +93,9 @@ def stage_of(queue: str) -> str:
 
 
 def model_of_queue(queue: str) -> str | None:
-    """``inference.tiny`` -> ``tiny``; None for any other queue (``inference`` included)."""
+    """``inference.tiny`` (or a worker's own ``inference.tiny~node``) -> ``tiny``; None for any
+    other queue (``inference`` included)."""
+    queue = shared_queue(queue)
     return queue.removeprefix(INFERENCE_PREFIX) if queue.startswith(INFERENCE_PREFIX) else None
 
 
@@ -154,7 +158,8 @@ class ModelSet:
             param="model")
 
     def for_queue(self, queue: str) -> ServedModel:
-        """The model an inference queue serves (``inference``: the default one)."""
+        """The model an inference queue serves (``inference``: the default one), or a worker's own queue."""
+        queue = shared_queue(queue)
         for m in self.models:
             if m.queue == queue:
                 return m

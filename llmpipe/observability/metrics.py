@@ -41,6 +41,18 @@ ENGINE_RUNNING = Gauge("llmpipe_engine_running_requests", "Requests the engine i
 ENGINE_WAITING = Gauge("llmpipe_engine_waiting_requests", "Requests waiting inside the engine.", ["model"], multiprocess_mode="mostrecent")
 ENGINE_KV = Gauge("llmpipe_engine_kv_cache_usage_ratio", "Share of the KV cache in use (0-1).", ["model"], multiprocess_mode="mostrecent")
 BATCHER_PENDING = Gauge("llmpipe_batcher_pending_requests", "Requests waiting in the inference worker's batcher.", ["model"], multiprocess_mode="mostrecent")
+# Prefix-aware routing (llmpipe/routing/router.py), counted by the preprocess processes that decide.
+ROUTE_REQUESTS = Counter("llmpipe_route_requests_total", "Inference requests placed by prefix-aware routing: routed (to "
+                         "the worker its prefix prefers), spilled (that worker had no room: another worker, or the shared "
+                         "queue), fallback (the shared queue without a decision).", ["model", "outcome", "match"])
+ROUTE_WORKERS = Gauge("llmpipe_route_live_workers", "Live inference workers of a model, as routing last saw them.", ["model"],
+                      multiprocess_mode="mostrecent")
+# The engine's prefix cache, per inference worker (``worker``: its node name), as vLLM counts it:
+# hit rate = rate(hits) / rate(queries), both in prompt tokens.
+PREFIX_CACHE_QUERIES = Counter("llmpipe_engine_prefix_cache_queries_total", "Prompt tokens looked up in the engine's "
+                               "prefix cache.", ["model", "worker"])
+PREFIX_CACHE_HITS = Counter("llmpipe_engine_prefix_cache_hits_total", "Prompt tokens found in the engine's prefix cache.",
+                            ["model", "worker"])
 
 
 def observe_stage(t: StageTiming, model: str) -> None:
