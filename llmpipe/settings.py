@@ -103,6 +103,22 @@ class Settings(BaseSettings):
     # that are settings above fold into them.
     engine_args: dict[str, Any] = Field(default_factory=dict)
 
+    # Inference workers per served model that `llmpipe up` starts (docs/operations.md, "Several
+    # inference workers"): a number for every model, or {name: number} (in the environment
+    # also NAME=N,NAME=N). On CUDA each worker gets GPUs of its own (tensor_parallel_size each).
+    inference_workers: Annotated[int | dict[str, int], NoDecode] = 1
+    # Prefix-aware routing (llmpipe/routing/): while a model has more than one live inference
+    # worker, preprocess sends each request to the worker where its prompt's leading blocks
+    # last went (that worker's own queue), unless that worker holds more than
+    # route_load_factor x the mean in-flight requests; what no worker can take goes to the
+    # model's shared queue. Off: every request goes to the shared queue.
+    prefix_routing: bool = True
+    route_load_factor: float = Field(1.25, ge=1.0)
+    route_prefix_ttl_s: float = Field(600.0, gt=0)  # how long where a prefix went is remembered
+    # The token block the prefix hashes are taken over; None: the engine's own (vLLM's block
+    # size, which the inference workers report; 16 until one has).
+    route_block_size: int | None = Field(None, gt=0)
+
     # Dynamic batching on the inference worker
     batch_window_ms: float = 50.0
     max_batch_size: int = 32
@@ -209,6 +225,24 @@ class Settings(BaseSettings):
             v = json.loads(v) if v.startswith("[") else [p for p in v.split(",") if p.strip()]
         return v
 
+    @field_validator("inference_workers", mode="before")
+    @classmethod
+    def _inference_workers(cls, v: Any) -> Any:
+        if not isinstance(v, str):
+            return v
+        v = v.strip()
+        if v.startswith("{"):
+            return json.loads(v)
+        if "=" not in v:
+            return v
+        pairs = [p.partition("=") for p in v.split(",") if p.strip()]
+        return {name.strip(): n.strip() for name, _, n in pairs}
+
+    def workers_of(self, model: str) -> int:
+        """How many inference workers ``llmpipe up`` starts for the served model ``model``."""
+        n = self.inference_workers
+        return n if isinstance(n, int) else n.get(model, 1)
+
     @model_validator(mode="after")
     def _check_models(self) -> Settings:
         try:
@@ -218,6 +252,13 @@ class Settings(BaseSettings):
         if self.models:
             # ``model`` is the default (first) one's source, for code that reads one model.
             self.model = served.default.source
+        counts = self.inference_workers if isinstance(self.inference_workers, dict) else {"": self.inference_workers}
+        unknown = sorted(set(counts) - {""} - set(served.names))
+        if unknown:
+            raise ValueError(f"inference_workers names {', '.join(unknown)}, which is not a served model "
+                             f"({', '.join(served.names)})")
+        if any(n < 1 for n in counts.values()):
+            raise ValueError("inference_workers must be at least 1 per model")
         return self
 
     @property

@@ -6,4 +6,5 @@ from llmpipe.stages import Stage
 
 @app.task(name=Stage.PREPROCESS.task, bind=True, ignore_result=True)
 def preprocess(self, msg: dict) -> dict:
-    return self.ctx.preprocess_stage.run(msg)
+    # The stage may send the inference hop to one worker's own queue (llmpipe/routing/).
+    return self.ctx.preprocess_stage.run(msg, send_next_to=self.send_next_to)

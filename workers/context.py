@@ -14,13 +14,14 @@ from functools import cached_property
 
 import redis
 
-from llmpipe.broker.redis_clients import from_settings
+from llmpipe.broker.redis_clients import connect, from_settings
 from llmpipe.engines.factory import create_engine
 from llmpipe.engines.owner import EngineOwner
 from llmpipe.jobs import admission
 from llmpipe.jobs.deadletter import DeadLetters, TaskFailures
 from llmpipe.jobs.memo import StageMemo
 from llmpipe.jobs.store import JobStore
+from llmpipe.messages import TokenizedRequest
 from llmpipe.models.registry import resolve_model
 from llmpipe.processors.collector import JobFinisher
 from llmpipe.processors.cpu_stages import PostprocessStage, PreprocessStage, TokenizeStage
@@ -29,9 +30,15 @@ from llmpipe.processors.inference_stage import InferenceStage
 from llmpipe.processors.input_processor import InputProcessor
 from llmpipe.processors.output_processor import OutputProcessor
 from llmpipe.processors.tokenizer import TokenizerOwner, model_context_length, model_vocab_size
+from llmpipe.routing.keys import routing_redis_url
+from llmpipe.routing.members import RouteMember
+from llmpipe.routing.router import PrefixRouter
 from llmpipe.settings import Settings, get_settings
+from llmpipe.stages import Stage
 from workers import hook
 from workers.inference_runtime import InferenceRuntime, start_inference
+from workers.launch import KINDS
+from workers.route_member import start_member
 
 
 class ModelResources:
@@ -69,6 +76,10 @@ class ModelResources:
 
 
 WORKER_MODEL_ENV = "LLMPIPE_WORKER_MODEL"  # the model an inference worker serves (workers/pool_policy.py sets it)
+# An inference worker's own queue (prefix-aware routing) and the requests it holds at once (pool_policy sets them).
+WORKER_QUEUE_ENV = "LLMPIPE_WORKER_QUEUE"
+WORKER_CAPACITY_ENV = "LLMPIPE_WORKER_CAPACITY"
+WORKER_NODE_ENV = "LLMPIPE_WORKER_NODE"  # an inference worker's Celery node name
 
 
 class WorkerContext:
@@ -78,6 +89,7 @@ class WorkerContext:
         self._inference: InferenceRuntime | None = None
         self._models: dict[str, ModelResources] = {}
         self._models_lock = threading.Lock()  # not _lock: inference() holds that while it reads the model
+        self._member: RouteMember | None = None  # this inference worker's routing membership
 
     @property
     def served(self):
@@ -151,8 +163,14 @@ class WorkerContext:
         if self._inference is None:
             with self._lock:
                 if self._inference is None:
+                    own = os.environ.get(WORKER_QUEUE_ENV) or None
                     self._inference = start_inference(self.engine_owner.get(), self.redis, self.settings,
-                                                      self.own_model)
+                                                      self.own_model, own_queue=own,
+                                                      worker=os.environ.get(WORKER_NODE_ENV) or f"pid{os.getpid()}")
+                    if own is not None:
+                        held = os.environ.get(WORKER_CAPACITY_ENV) or KINDS[Stage.INFERENCE].concurrency(self.settings)
+                        self._member = start_member(self.engine_owner.get(), self.route_redis, self.settings, own,
+                                                    int(held))
         return self._inference.processor
 
     # -- what the tasks run (tasks/*.py), each built on first use -------------------------
@@ -166,7 +184,31 @@ class WorkerContext:
 
     @cached_property
     def preprocess_stage(self) -> PreprocessStage:
-        return PreprocessStage(self.jobs, self.model, self.served.default.name)
+        return PreprocessStage(self.jobs, self.model, self.served.default.name,
+                               route=self._route if self.settings.prefix_routing else None)
+
+    # -- prefix-aware routing (llmpipe/routing/) ------------------------------------------
+    @cached_property
+    def route_redis(self) -> redis.Redis:
+        """The Redis of the routing keys: the broker's when it is Redis (next to the leases)."""
+        return connect(routing_redis_url(self.settings), self.settings.redis_sentinel_master, socket_timeout=5,
+                       socket_connect_timeout=3, health_check_interval=30)
+
+    @cached_property
+    def router(self) -> PrefixRouter:
+        s = self.settings
+        return PrefixRouter(self.route_redis, load_factor=s.route_load_factor, prefix_ttl_s=s.route_prefix_ttl_s,
+                            block_size=s.route_block_size or s.engine_args.get("block_size"))
+
+    def _route(self, req: TokenizedRequest) -> str | None:
+        m = self.served.get(req.model)
+        return self.router.route(m.queue, req.prompt_token_ids, m.name)
+
+    def leave_routing(self) -> None:
+        """No more requests routed to this worker's own queue (a warm shutdown begins)."""
+        if self._member is not None:
+            self._member.leave()
+            self._member = None
 
     @cached_property
     def inference_stage(self) -> InferenceStage:
@@ -186,6 +228,7 @@ class WorkerContext:
         return TaskFailures(self.deadletters, self.jobs)
 
     def shutdown_all(self) -> None:
+        self.leave_routing()
         if self._inference is not None:
             self._inference.shutdown()
             self._inference = None

@@ -50,9 +50,12 @@ class InferenceRuntime:
         self.processor.shutdown()
 
 
-def start_inference(engine: Any, r: redis.Redis, s: Settings, model: ServedModel) -> InferenceRuntime:
+def start_inference(engine: Any, r: redis.Redis, s: Settings, model: ServedModel, *,
+                    own_queue: str | None = None, worker: str = "") -> InferenceRuntime:
     """The InferenceProcessor over ``engine`` for ``model``'s queue, its cancel listener,
-    and a thread that samples the engine gauges until the processor stops."""
+    and a thread that samples the engine gauges until the processor stops. ``own_queue``:
+    this worker's own queue (prefix-aware routing), where requests wait for it too;
+    ``worker``: its node name, the label of its engine's prefix-cache counters."""
 
     def on_batch(size: int, wait_s: float) -> None:
         metrics.BATCH_SIZE.labels(model.name).observe(size)
@@ -62,7 +65,7 @@ def start_inference(engine: Any, r: redis.Redis, s: Settings, model: ServedModel
     try:
         proc = InferenceProcessor(
             engine, window_s=s.batch_window_ms / 1000.0, max_size=s.max_batch_size,
-            company_expected=queue_probe(r, model.queue, s), on_batch=on_batch,
+            company_expected=queue_probe(r, (model.queue, *([own_queue] if own_queue else [])), s), on_batch=on_batch,
             publisher=publisher, cancelled_jobs=lambda ids: cancel.cancelled(r, ids),
             on_engine_dead=lambda exc: engine_died(exc, amqp=s.broker_is_amqp),
             published=lambda job_id: read_published(r, job_id),
@@ -74,15 +77,23 @@ def start_inference(engine: Any, r: redis.Redis, s: Settings, model: ServedModel
         publisher.close()
         raise
     listener = cancel.CancelListener(r, proc.cancel, proc.running_jobs)
-    threading.Thread(target=sample_engine, args=(proc, model.name), name="llmpipe-engine-stats", daemon=True).start()
+    threading.Thread(target=sample_engine, args=(proc, model.name, worker), name="llmpipe-engine-stats",
+                     daemon=True).start()
     return InferenceRuntime(proc, publisher, listener)
 
 
-def sample_engine(proc: InferenceProcessor, model: str, every_s: float = 1.0) -> None:
-    """Engine gauges for the scrape; stops when the processor is shut down."""
+def sample_engine(proc: InferenceProcessor, model: str, worker: str = "", every_s: float = 1.0) -> None:
+    """Engine gauges for the scrape, and the prefix cache's counters of this ``worker``; stops
+    when the processor is shut down."""
+    counted = {"prefix_cache_queries": 0.0, "prefix_cache_hits": 0.0}
+    counters = {"prefix_cache_queries": metrics.PREFIX_CACHE_QUERIES, "prefix_cache_hits": metrics.PREFIX_CACHE_HITS}
     while proc.batcher.running:
         try:
             st = proc.engine.stats()
+            for name, counter in counters.items():  # the engine's totals, as counter increments
+                if st.get(name, 0.0) > counted[name]:
+                    counter.labels(model, worker).inc(st[name] - counted[name])
+                    counted[name] = st[name]
             metrics.ENGINE_RUNNING.labels(model).set(st.get("running", 0))
             metrics.ENGINE_WAITING.labels(model).set(st.get("waiting", 0))
             if "kv_cache_usage" in st:
@@ -93,13 +104,14 @@ def sample_engine(proc: InferenceProcessor, model: str, every_s: float = 1.0) ->
         time.sleep(every_s)
 
 
-def queue_probe(r: redis.Redis, queue: str, s: Settings | None = None):
-    """Company is expected while more requests wait in the broker queue."""
+def queue_probe(r: redis.Redis, queue: str | tuple[str, ...], s: Settings | None = None):
+    """Company is expected while more requests wait in the broker queue (any of ``queue``)."""
+    queues = (queue,) if isinstance(queue, str) else tuple(queue)
     if s is not None and s.broker_is_amqp:
         depths = AmqpDepths(s.effective_broker_url)
-        return lambda: depths.sample((queue,)).depths[queue] > 0
+        return lambda: any(depths.sample(queues).depths.values())
 
-    keys = queue_keys(queue)  # every priority list of the queue (llmpipe/jobs/lanes.py)
+    keys = [k for q in queues for k in queue_keys(q)]  # every priority list of each (llmpipe/jobs/lanes.py)
 
     def probe() -> bool:
         # Redis deletes a list when it empties, so "any list exists" is "a message waits":

@@ -38,8 +38,8 @@ from click.core import ParameterSource
 
 from llmpipe.models.served import INFERENCE_PREFIX, is_inference_queue, stage_of
 from llmpipe.settings import Settings, get_settings
-from llmpipe.stages import STAGE_QUEUES, ExitCode, Stage, inference_queue
-from workers.context import WORKER_MODEL_ENV
+from llmpipe.stages import STAGE_QUEUES, ExitCode, Stage, inference_queue, worker_queue
+from workers.context import WORKER_CAPACITY_ENV, WORKER_MODEL_ENV, WORKER_NODE_ENV, WORKER_QUEUE_ENV
 from workers.launch import KIND_ENV, KINDS
 
 log = logging.getLogger("llmpipe.worker")
@@ -213,11 +213,31 @@ def _apply(sender=None, **_):
     if p.node is not None and p.node != sender.hostname:
         sender.hostname = p.node
         changes.append(f"-n {p.node}")
+    if _INFERENCE in p.stages:
+        os.environ[WORKER_NODE_ENV] = sender.hostname  # the worker label of its engine metrics
+    if _INFERENCE in p.stages and get_settings().prefix_routing:
+        own = _consume_own_queue(sender.app, get_settings().served.get(p.model).queue, sender.hostname)
+        os.environ[WORKER_QUEUE_ENV] = own  # its routing membership (workers/context.py)
+        os.environ[WORKER_CAPACITY_ENV] = str(sender.concurrency * max(1, sender.prefetch_multiplier or 1))
+        changes.append(f"also consumes its own queue {own} (prefix-aware routing)")
     if changes:
         _changes[:] = [f"{p.kind or 'this'} worker (queues {','.join(started.queues)}) runs with {' '.join(changes)}"]
 
 
 _changes: list[str] = []
+
+
+def _consume_own_queue(app, shared: str, node: str) -> str:
+    """Consume ``shared``'s queue for this node too, before the others: preprocess sends
+    there the requests whose prefix this worker's engine caches (llmpipe/routing/)."""
+    own = worker_queue(shared, node)
+    queues = app.amqp.queues
+    q = queues[own]  # declared as llmpipe/broker/worker_queues.py says
+    if queues._consume_from is not None:
+        queues._consume_from = {own: q, **queues._consume_from}
+    else:
+        queues._default_consume_from = {own: q, **queues._default_consume_from}
+    return own
 
 
 @celeryd_after_setup.connect

@@ -9,7 +9,14 @@ import os
 import sys
 
 import redis
-from celery.signals import task_failure, worker_init, worker_process_shutdown, worker_ready, worker_shutdown
+from celery.signals import (
+    task_failure,
+    worker_init,
+    worker_process_shutdown,
+    worker_ready,
+    worker_shutdown,
+    worker_shutting_down,
+)
 from kombu.transport import redis as kombu_redis
 
 from llmpipe.broker.redis_clients import from_settings
@@ -127,6 +134,13 @@ def _announce_ready(sender=None, **_):
 def _withdraw_ready(**_):
     if _beacon is not None:
         _beacon.stop()
+
+
+@worker_shutting_down.connect
+def _leave_routing(**_):
+    # As a warm shutdown begins: preprocess routes nothing more to this worker's own queue,
+    # while the requests it holds finish (llmpipe/routing/).
+    context().leave_routing()
 
 
 @worker_shutdown.connect

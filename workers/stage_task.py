@@ -7,6 +7,7 @@ the app imports nothing from workers; Celery resolves it when a task is defined.
 from __future__ import annotations
 
 from llmpipe.broker.requeue import RequeueTask
+from llmpipe.routing.chain import next_stage_to
 from workers.context import WorkerContext, context
 
 
@@ -17,3 +18,8 @@ class StageTask(RequeueTask):
     @property
     def ctx(self) -> WorkerContext:
         return context()
+
+    def send_next_to(self, queue: str) -> None:
+        """Publish the chain's next stage (inference) to ``queue`` instead of the queue the API
+        named: a worker's own queue, chosen by prefix-aware routing (llmpipe/routing/)."""
+        next_stage_to(self.request, queue)

@@ -33,10 +33,13 @@ def is_transient(exc: BaseException) -> bool:
 
 
 class StatsSink:
-    """A vLLM per-engine stat logger that keeps the latest scheduler stats."""
+    """A vLLM per-engine stat logger that keeps the latest scheduler stats and adds up the
+    prefix cache's: prompt tokens looked up and found (vLLM's prefix_cache_queries / hits)."""
 
     def __init__(self) -> None:
         self.latest: Any = None
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
     def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -50,6 +53,10 @@ class StatsSink:
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
                 if scheduler_stats is not None:
                     sink.latest = scheduler_stats
+                    pc = getattr(scheduler_stats, "prefix_cache_stats", None)
+                    if pc is not None:
+                        sink.prefix_queries += int(pc.queries)
+                        sink.prefix_hits += int(pc.hits)
 
             def log_engine_initialized(self) -> None:
                 pass

@@ -131,6 +131,7 @@ class VllmEngine(Engine):
         self._closed = False
         self._llm: Any = None
         self._max_model_len: int | None = None
+        self._block_size: int | None = None
         self._vocab_size = 0
         self._eos_ids: list[int] = []
         self._start_loop_and_engine(model, start_timeout_s)
@@ -170,6 +171,9 @@ class VllmEngine(Engine):
         self._llm = AsyncLLM.from_engine_args(self._args, usage_context=UsageContext.OPENAI_API_SERVER,
                                               stat_loggers=[self._stats.factory])
         mc = self._llm.model_config
+        cc = self._llm.vllm_config.cache_config
+        # where prefix-cache hits land, in tokens (prefix-aware routing hashes prompts by it)
+        self._block_size = int(getattr(cc, "hash_block_size", None) or cc.block_size)
         self._max_model_len = int(mc.max_model_len)
         self._vocab_size = int(mc.get_vocab_size())
         eos: list[int] = []
@@ -194,6 +198,11 @@ class VllmEngine(Engine):
     @property
     def max_model_len(self) -> int | None:
         return self._max_model_len
+
+    @property
+    def block_size(self) -> int | None:
+        """The engine's KV-cache block in tokens: its prefix cache holds whole blocks."""
+        return self._block_size
 
     @property
     def max_num_seqs(self) -> int | None:
@@ -362,6 +371,8 @@ class VllmEngine(Engine):
             "waiting": float(s.num_waiting_reqs),
             "kv_cache_usage": float(s.kv_cache_usage),
             "inflight": inflight,
+            "prefix_cache_queries": float(self._stats.prefix_queries),
+            "prefix_cache_hits": float(self._stats.prefix_hits),
         }
 
     def shutdown(self) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 from llmpipe.errors import CancelledError, ExpiredError, LlmpipeError, ModelNotFoundError
 from llmpipe.jobs.memo import StageMemo
 from llmpipe.jobs.store import JobStore
-from llmpipe.messages import Generation, JobStatus, PromptRequest, Stage, StageError
+from llmpipe.messages import Generation, JobStatus, PromptRequest, Stage, StageError, TokenizedRequest
 from llmpipe.observability import metrics
 from llmpipe.processors.collector import JobFinisher
 from llmpipe.processors.envelope import as_json
@@ -24,14 +24,19 @@ Models = Callable[[str | None], Any]
 
 
 class PreprocessStage:
-    """``llmpipe.preprocess``: PromptRequest -> TokenizedRequest with the request's model's tokenizer."""
+    """``llmpipe.preprocess``: PromptRequest -> TokenizedRequest with the request's model's tokenizer.
 
-    def __init__(self, jobs: JobStore, models: Models, default_model: str):
+    ``route``: where a tokenized request's inference goes, a worker's own queue or None for
+    its model's shared queue (llmpipe/routing/); ``run`` tells ``send_next_to``."""
+
+    def __init__(self, jobs: JobStore, models: Models, default_model: str,
+                 route: Callable[[TokenizedRequest], str | None] | None = None):
         self.jobs = jobs
         self.models = models
         self.default_model = default_model
+        self.route = route
 
-    def run(self, msg: dict) -> dict:
+    def run(self, msg: dict, send_next_to: Callable[[str], None] | None = None) -> dict:
         req = PromptRequest.model_validate(msg)
         if req.error is None:
             req.error = self._ended(req.job_id)
@@ -41,6 +46,10 @@ class PreprocessStage:
             req.error = req.error or exc.to_stage_error(Stage.PREPROCESS)
             model = self.models(None)  # passes the failed request on untouched
         out = model.input_processor.process(req)
+        if send_next_to is not None and self.route is not None and out.error is None:
+            queue = self.route(out)  # the worker whose engine most likely caches this prompt's prefix
+            if queue is not None:
+                send_next_to(queue)
         metrics.observe_stage(out.timings[-1], req.model or self.default_model)
         metrics.observe_error(out.error and out.error.reason.value, Stage.PREPROCESS.value)
         return as_json(out)

@@ -147,3 +147,16 @@ def test_readme_quotes_the_refusal_as_it_is(monkeypatch):
         monkeypatch.delenv(name)
     refusal = plan(_started(["inference"], pool_given=True), Settings(), HOST).refusal
     assert f"`{refusal}`" in (ROOT / "README.md").read_text()
+
+
+def test_an_inference_worker_consumes_its_own_queue_first():
+    from celery import Celery
+
+    from workers.pool_policy import _consume_own_queue
+
+    app = Celery("t", amqp="llmpipe.broker.worker_queues:AMQP", set_as_current=False)
+    app.amqp.queues.select(["inference"])
+    own = _consume_own_queue(app, "inference", "inference-1-8000@llmpipe")
+    assert own == "inference~inference-1-8000@llmpipe"
+    assert list(app.amqp.queues.consume_from) == [own, "inference"]
+    assert app.amqp.queues[own].routing_key == own

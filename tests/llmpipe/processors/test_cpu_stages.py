@@ -66,6 +66,28 @@ def test_preprocess_tokenizes_starts_the_job_and_names_an_unknown_model(redis_cl
     assert out["prompt_token_ids"] == []
 
 
+def test_preprocess_sends_the_inference_hop_where_routing_says_and_a_failed_request_nowhere(redis_client, models):
+    jobs = JobStore(redis_client, 60)
+    asked, sent = [], []
+
+    def route(req):
+        asked.append(req.prompt_token_ids)
+        return "inference~w1@h" if len(asked) == 1 else None
+
+    stage = PreprocessStage(jobs, models, "tiny", route=route)
+    now = time.time()
+    for j in ("r1", "r2", "r3"):
+        jobs.create(j, n_prompts=1, deadline=now + 60, now=now)
+    out = stage.run(_prompt("r1", now), send_next_to=sent.append)
+    assert sent == ["inference~w1@h"] and asked == [out["prompt_token_ids"]]
+    stage.run(_prompt("r2", now), send_next_to=sent.append)  # routing says: the shared queue
+    assert sent == ["inference~w1@h"] and len(asked) == 2
+    stage.run(_prompt("r3", now, model="other"), send_next_to=sent.append)  # failed: passed on as it is
+    assert len(asked) == 2
+    stage.run(_prompt("r1", now))  # no chain to redirect (a direct call): routing is not asked
+    assert len(asked) == 2
+
+
 def test_preprocess_of_a_job_that_ended_passes_its_end_on(redis_client, models):
     jobs = JobStore(redis_client, 60)
     stage = PreprocessStage(jobs, models, "tiny")
