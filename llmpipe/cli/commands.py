@@ -72,8 +72,12 @@ def load_settings(**overrides) -> Settings:
                    "Wins over the config file's [engine_args] table.")
 @click.option("--print-config", is_flag=True, help="Print the effective settings, the engine arguments and the "
               "platform that chose their defaults, then exit.")
+@click.option("--inference-workers", "inference_workers", multiple=True, metavar="N|NAME=N",
+              help="Inference workers per served model (default 1): N for every model, or NAME=N for one "
+                   "(repeatable). On CUDA each gets GPUs of its own (tensor_parallel_size each); requests go "
+                   "to the worker that caches their prompt's prefix (prefix_routing).")
 def up(model, engine, redis_url, cpu_workers, batch_window_ms, max_batch_size, port, flower_port, no_flower,
-       config_file, state_dir, ready_timeout, quiet, verbose, engine_args, print_config):
+       config_file, state_dir, ready_timeout, quiet, verbose, engine_args, print_config, inference_workers):
     """Start Redis (if needed), the workers, the API and Flower; Ctrl-C stops them."""
     if config_file:
         os.environ["LLMPIPE_CONFIG"] = os.path.abspath(config_file)
@@ -83,7 +87,8 @@ def up(model, engine, redis_url, cpu_workers, batch_window_ms, max_batch_size, p
         raise click.ClickException(str(exc)) from None
     s = load_settings(**_model_overrides(model), engine=engine, redis_url=redis_url, cpu_workers=cpu_workers,
                       batch_window_ms=batch_window_ms, max_batch_size=max_batch_size, api_port=port,
-                      flower_port=flower_port, state_dir=state_dir, engine_args=passed)
+                      flower_port=flower_port, state_dir=state_dir, engine_args=passed,
+                      inference_workers=_workers_override(inference_workers))
     if print_config:
         try:
             click.echo(describe_config(s))
@@ -92,6 +97,18 @@ def up(model, engine, redis_url, cpu_workers, batch_window_ms, max_batch_size, p
         return
     sys.exit(local_up.run_up(s, flower=not no_flower, echo=not quiet, redis_explicit="redis_url" in s.model_fields_set,
                     ready_timeout=ready_timeout, verbose=verbose))
+
+
+def _workers_override(given: tuple[str, ...]) -> str | None:
+    """``--inference-workers``: ``2``, or ``tiny=2`` (repeated for several models), as the
+    setting reads it; not given: None (the config file's, or 1)."""
+    if not given:
+        return None
+    if len(given) == 1 and "=" not in given[0]:
+        return given[0]
+    if any("=" not in g for g in given):
+        raise click.ClickException("--inference-workers takes one N for every model, or NAME=N per model")
+    return ",".join(given)
 
 
 def _model_overrides(specs: tuple[str, ...]) -> dict:

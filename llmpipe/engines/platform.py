@@ -106,10 +106,12 @@ def engine_config(s: Settings, platform: Platform | None = None, *, vllm_fields:
         _pick(cfg, "enforce_eager", s.enforce_eager, d["enforce_eager"])
         _pick(cfg, "gpu_memory_utilization", s.gpu_memory_utilization, d["gpu_memory_utilization"])
         n = len(s.served.models)
-        if s.gpu_memory_utilization is None and n > 1 and cfg.platform is Platform.CUDA:
+        shared_gpu = all(s.workers_of(m.name) == 1 for m in s.served.models)
+        if s.gpu_memory_utilization is None and n > 1 and shared_gpu and cfg.platform is Platform.CUDA:
             # Several models (llmpipe/models/served.py): `llmpipe up` starts their engines on
             # the one GPU, and each takes its fraction of the whole GPU, so by default they
-            # share the default's 0.9. Where each has a GPU of its own, set the setting.
+            # share the default's 0.9. Where each has a GPU of its own, set the setting; with
+            # several workers of a model each worker has GPUs of its own (llmpipe/local/devices.py).
             cfg.args["gpu_memory_utilization"] = round(d["gpu_memory_utilization"] / n, 3)
             cfg.sources["gpu_memory_utilization"] = f"{_vllm_source(cfg.platform)}, shared by {n} models"
         _pick(cfg, "max_num_seqs", s.max_num_seqs, d["max_num_seqs"])

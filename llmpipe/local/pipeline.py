@@ -1,4 +1,5 @@
-"""A whole pipeline as local child processes: one worker per kind, the API, Flower.
+"""A whole pipeline as local child processes: one worker per kind (``inference_workers`` per
+served model for inference), the API, Flower.
 
 Used by ``llmpipe up``, the benchmark and the integration tests, so all three run the
 same real processes.
@@ -19,6 +20,7 @@ import httpx
 from rich.console import Console
 
 from llmpipe.broker.redis_clients import celery_probe
+from llmpipe.local.devices import DeviceError, assign, own_gpus, visible_gpus
 from llmpipe.local.restarts import RestartPolicy
 from llmpipe.local.supervisor import Child, Crash, Supervisor, how_exited, python_env
 from llmpipe.settings import Settings
@@ -98,6 +100,27 @@ def flower_argv(s: Settings, *, port: int | None = None, address: str = "127.0.0
     return argv
 
 
+def inference_children(s: Settings) -> list[tuple[str, str | None]]:
+    """(child name, model) of every inference worker, model None with one served model."""
+    out = []
+    for m in s.served.models:
+        base, n = node_of(Stage.INFERENCE.value, s, m.name), s.workers_of(m.name)
+        model = m.name if s.served.several else None
+        out += [(base if n == 1 else f"{base}-{i}", model) for i in range(1, n + 1)]
+    return out
+
+
+def worker_gpus(s: Settings) -> dict[str, str]:
+    """Each inference worker's CUDA_VISIBLE_DEVICES when each has GPUs of its own
+    (llmpipe/local/devices.py); PipelineError when they do not fit."""
+    if not own_gpus(s):
+        return {}
+    try:
+        return assign(s, [c for c, _ in inference_children(s)], visible_gpus())
+    except DeviceError as exc:
+        raise PipelineError(str(exc)) from None
+
+
 class LocalPipeline:
     def __init__(self, settings: Settings, *, kinds: tuple[str, ...] = WORKER_KINDS, api: bool = True,
                  flower: bool = False, echo: bool = False, console: Console | None = None,
@@ -126,17 +149,22 @@ class LocalPipeline:
         return f"http://127.0.0.1:{self.s.api_port}"
 
     def children_of(self, kind: str) -> list[tuple[str, str | None]]:
-        """(child name, model) of each worker of ``kind``: one inference worker per served
-        model (``inference.<name>`` with several models, llmpipe/models/served.py), one of any other kind."""
-        if kind == Stage.INFERENCE and self.s.served.several:
-            return [(node_of(kind, self.s, m.name), m.name) for m in self.s.served.models]
-        return [(kind, None)]
+        """(child name, model) of each worker of ``kind``: ``inference_workers`` inference workers
+        per served model (``inference``, or ``inference.<name>`` with several models,
+        llmpipe/models/served.py; ``-1``, ``-2``, ... after it when a model has several), one
+        of any other kind."""
+        return inference_children(self.s) if kind == Stage.INFERENCE else [(kind, None)]
+
+    def gpus(self) -> dict[str, str]:
+        return worker_gpus(self.s)
 
     def start(self) -> LocalPipeline:
+        gpus = self.gpus() if Stage.INFERENCE in self.kinds else {}
         for kind in self.kinds:
             for child, model in self.children_of(kind):
+                env = {**self.env, KIND_ENV: kind, **({"CUDA_VISIBLE_DEVICES": gpus[child]} if child in gpus else {})}
                 self.sup.spawn(child, worker_argv(kind, self.s, name=f"{child}-{self.s.api_port}@llmpipe", model=model),
-                               {**self.env, KIND_ENV: kind}, self._policy())
+                               env, self._policy())
         if self.api:
             self.sup.spawn("api", [sys.executable, "-m", "llmpipe.cli", "api", "--host", "127.0.0.1",
                                    "--port", str(self.s.api_port)], self.env, self._policy())

@@ -28,7 +28,7 @@ from rich.markup import escape
 from llmpipe.broker.redis_clients import safe_url
 from llmpipe.engines.platform import check_engine_args
 from llmpipe.engines.vllm_args import EngineArgError
-from llmpipe.local.pipeline import LocalPipeline, PipelineError
+from llmpipe.local.pipeline import LocalPipeline, PipelineError, inference_children, worker_gpus
 from llmpipe.local.redis_server import EmbeddedRedis, port_in_use, redis_answers
 from llmpipe.models.registry import resolve_model
 from llmpipe.settings import Settings
@@ -166,6 +166,7 @@ def _preflight(s: Settings, flower: bool, redis_explicit: bool, console: Console
         if port_in_use(port):
             raise PipelineError(f"port {port} for the {what} is already in use (choose another with {flag})")
     _check_engine_args(s)
+    gpus = worker_gpus(s)  # several workers of a model: GPUs of their own, which must fit
     configured = _configured_redis(s, redis_explicit)
     for m in s.served.models:
         try:
@@ -174,8 +175,19 @@ def _preflight(s: Settings, flower: bool, redis_explicit: bool, console: Console
             raise PipelineError(f"model {m.source}: {exc}") from None
         check_model_path(model_path)
         queue = f", queue {m.queue}" if s.served.several else ""
-        console.print(f"model: {m.id} ({model_path}{queue}); engine: {s.engine.value}")
+        console.print(f"model: {m.id} ({model_path}{queue}); engine: {s.engine.value}{_workers_line(s, m, gpus)}")
     return configured
+
+
+def _workers_line(s: Settings, m, gpus: dict[str, str]) -> str:
+    """``; 2 inference workers (GPUs 0 and 1), prefix-aware routing`` for a model with several."""
+    n = s.workers_of(m.name)
+    if n == 1:
+        return ""
+    mine = [gpus[c] for c, model in inference_children(s) if c in gpus and (model or s.served.default.name) == m.name]
+    where = f" (GPUs {' and '.join(mine)})" if mine else " (sharing the CPU)" if not gpus else ""
+    routing = "prefix-aware routing" if s.prefix_routing else "one shared queue (prefix_routing off)"
+    return f"; {n} inference workers{where}, {routing}"
 
 
 def _check_engine_args(s: Settings) -> None:
@@ -229,6 +241,11 @@ def _cli_name() -> str:
     return "llmpipe"
 
 
+def _with_workers(s: Settings, m) -> str:
+    n = s.workers_of(m.name)
+    return m.id if n == 1 else f"{m.id} x{n} inference workers"
+
+
 def _print_ready(out: Console, s: Settings, flower: bool, embedded: EmbeddedRedis | None,
                  pipeline: LocalPipeline, took: float) -> None:
     api = f"http://127.0.0.1:{s.api_port}"
@@ -237,7 +254,8 @@ def _print_ready(out: Console, s: Settings, flower: bool, embedded: EmbeddedRedi
     url_opt = "" if s.api_port == 8000 else f" --url {api}"
     lines = [
         "[bold green]llmpipe is ready[/] " + escape(f"in {took:.1f}s ({'models' if s.served.several else 'model'} "
-                                                    f"{', '.join(m.id for m in s.served.models)}, engine {s.engine.value})"),
+                                                    f"{', '.join(_with_workers(s, m) for m in s.served.models)}, "
+                                                    f"engine {s.engine.value})"),
         f"  API      {api}   docs: {api}/docs",
     ]
     if flower:
