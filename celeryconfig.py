@@ -40,6 +40,10 @@ _FIXED: dict[str, Any] = {
     # the inference worker raises it per worker (workers/launch.py) to fill its batches.
     "worker_prefetch_multiplier": 1,
     "broker_connection_retry_on_startup": True,
+    # A worker whose broker went away tries again every second, for as long as it takes
+    # (kombu's own waits grow to 30 s: after a Redis restart the workers came back up to that
+    # much later than Redis did; workers/consumer.py).
+    "worker_consumer": "workers.consumer:Consumer",
     "broker_connection_timeout": 4,
     # Publishing fails fast instead of blocking an API request while Redis is down.
     "task_publish_retry_policy": {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5},
