@@ -13,7 +13,7 @@ worker ever unpickles. A request that fails in a stage keeps flowing down the ch
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -27,6 +27,7 @@ class FinishReason(StrEnum):
 
     STOP = "stop"  # an EOS or stop token
     LENGTH = "length"  # max_tokens reached
+    TOOL_CALLS = "tool_calls"  # the output is tool calls (vLLM's rule: parsed calls of tool_choice auto or required)
     ERROR = "error"  # see the result's ``error``
     CANCELLED = "cancelled"
     EXPIRED = "expired"
@@ -77,22 +78,49 @@ class StageError(_Msg):
 
 
 class StructuredOutput(_Msg):
-    """Constrain the output to JSON (OpenAI's ``response_format``), through vLLM's
-    structured outputs: any JSON object, or one that follows ``json_schema``."""
+    """One constraint of vLLM's structured outputs (``response_format``, ``structured_outputs``,
+    a ``tool_choice`` that forces a call): exactly one of the constraint fields, plus vLLM's options."""
 
     json_object: bool = False
-    json_schema: dict | None = None
+    json_schema: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | None = None  # vLLM's JSON text
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
 
 
 class SamplingParams(_Msg):
+    """vLLM's SamplingParams, as far as llmpipe carries them; defaults ask for nothing.
+    The API checks values with vLLM's rules and messages (api/openai/sampling.py)."""
+
     max_tokens: int = Field(default=64, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1)  # 0 or -1: off
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
     seed: int | None = None
     stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
     # Stop strings need text, so postprocess applies them after detokenizing.
     stop: list[str] = Field(default_factory=list, max_length=16)
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    # Token id -> bias, clamped to [-100, 100] (vLLM).
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = Field(default_factory=list)
+    # The token-id sequences bad_words forbid, tokenized by preprocess as vLLM does (the
+    # transformers engine reads them; vLLM tokenizes bad_words itself).
+    bad_words_token_ids: list[list[int]] | None = None
+    # Detokenizing, applied in postprocess and in the API's live decode.
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     # Log probabilities, as vLLM's SamplingParams: the sampled token's plus this many
     # top ones per generated token (0: the sampled token's only; -1: the whole vocabulary);
     # per prompt token too.
@@ -101,6 +129,10 @@ class SamplingParams(_Msg):
     # Return the prompt's token ids and text with the result (OpenAI's ``echo``).
     echo: bool = False
     structured: StructuredOutput | None = None
+    # Preprocess keeps only this many of the prompt's last (truncation_side "left", vLLM's
+    # default) or first tokens; -1: the model's context length.
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
 
 
 class Logprob(_Msg):
@@ -115,9 +147,53 @@ class Logprob(_Msg):
     token: str | None = None
 
 
+class FunctionCall(_Msg):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Msg):
+    """A tool call: one the assistant made earlier in the conversation, or one parsed out of
+    the output (postprocess)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Msg):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool result's
+    reasoning: str | None = None  # an assistant's, for templates that show it (vLLM's interleaved thinking)
+
+
+class ChatTemplate(_Msg):
+    """How preprocess renders ``messages``: vLLM's chat template fields, passed to the
+    tokenizer's apply_chat_template as vLLM passes them."""
+
+    tools: list[dict] | None = None  # OpenAI's tool objects ({"type": "function", "function": {...}})
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None  # the request's own (only with trust_request_chat_template)
+    kwargs: dict[str, Any] = Field(default_factory=dict)  # chat_template_kwargs, reasoning_effort, enable_thinking
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # on top of the template's own, as vLLM's chat field
+
+
+class OutputParsing(_Msg):
+    """What the model's parsers (vLLM's tool-call and reasoning parsers, named by the served
+    model's settings) need of a chat request: preprocess adjusts the request with them,
+    inference parses a stream with them, postprocess parses the final output."""
+
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = "none"  # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}
+    parallel_tool_calls: bool | None = True
+    include_reasoning: bool = True
+    template_kwargs: dict[str, Any] = Field(default_factory=dict)  # the chat template kwargs the parsers see
+    prompt_token_ids: list[int] | None = None  # the prompt, for parsers that read it (inference sets it)
 
 
 class StageTiming(_Msg):
@@ -167,6 +243,8 @@ class PromptRequest(_Envelope):
     messages: list[ChatMessage] | None = None
     prompt_token_ids: list[int] | None = None
     params: SamplingParams
+    chat: ChatTemplate | None = None  # with messages
+    parsing: OutputParsing | None = None  # a chat request's
 
     @model_validator(mode="after")
     def _one_input(self) -> PromptRequest:
@@ -180,6 +258,34 @@ class TokenizedRequest(_Envelope):
 
     prompt_token_ids: list[int]
     params: SamplingParams
+    parsing: OutputParsing | None = None  # when the model's parsers apply (preprocess decides)
+    # vLLM's reasoning_ended: whether a structured output constrains from the first token
+    # (None: the engine's reasoning parser decides), as vLLM's chat server computes it.
+    reasoning_ended: bool | None = None
+
+
+class Detokenizing(_Msg):
+    """The sampling parameters postprocess detokenizes with (vLLM's detokenizer's)."""
+
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0  # stop strings are not checked before this many tokens
+
+    @classmethod
+    def of(cls, p: SamplingParams) -> Detokenizing:
+        return cls(skip_special_tokens=p.skip_special_tokens, spaces_between_special_tokens=p.spaces_between_special_tokens,
+                   include_stop_str_in_output=p.include_stop_str_in_output, min_tokens=p.min_tokens)
+
+
+class Parsed(_Msg):
+    """A chat output split by the model's parsers, as vLLM's chat server answers it."""
+
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning_tokens: int = 0
+    tools_called: bool = False  # finish_reason "tool_calls" (vLLM's rule for auto and required)
 
 
 class Generation(_Envelope):
@@ -201,6 +307,9 @@ class Generation(_Envelope):
     prompt_token_ids: list[int] | None = None
     logprobs: list[list[Logprob]] | None = None
     prompt_logprobs: list[list[Logprob]] | None = None
+    # Detokenizing options and the parsing of a chat request, for postprocess.
+    detok: Detokenizing = Field(default_factory=lambda: Detokenizing())
+    parsing: OutputParsing | None = None
 
 
 class StageTimingSummary(_Msg):
@@ -229,6 +338,9 @@ class PromptResult(_Msg):
     prompt_text: str | None = None
     logprobs: list[list[Logprob]] | None = None
     prompt_logprobs: list[list[Logprob]] | None = None
+    # A chat request's output as the model's parsers split it (None: no parser applies;
+    # ``text`` is the content).
+    parsed: Parsed | None = None
 
 
 class Usage(_Msg):

@@ -23,6 +23,8 @@ from llmpipe.broker.queue_depth import is_amqp
 from llmpipe.broker.redis_clients import check_url
 from llmpipe.engines.vllm_args import SETTING_ALIASES
 from llmpipe.models.served import ModelSpecError, model_set
+from llmpipe.parsing.config import ModelParsers
+from llmpipe.parsing.config import resolve as resolve_parsers
 
 
 class EngineKind(StrEnum):
@@ -102,6 +104,17 @@ class Settings(BaseSettings):
     # the config file); checked against vLLM's fields (llmpipe/engines/vllm_args.py). Those
     # that are settings above fold into them.
     engine_args: dict[str, Any] = Field(default_factory=dict)
+
+    # Tool calls and reasoning, as vllm serve's --enable-auto-tool-choice, --tool-call-parser and
+    # --reasoning-parser (vLLM's parser names): for every served model, and per model by its
+    # served name in model_parsers ({"qwen": {"reasoning_parser": "qwen3"}}). The chat stages parse
+    # with vLLM's own parser classes (llmpipe/parsing/). trust_request_chat_template: vLLM's
+    # --trust-request-chat-template (a request's own chat_template is refused without it).
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    model_parsers: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    trust_request_chat_template: bool = False
 
     # Inference workers per served model that `llmpipe up` starts (docs/operations.md, "Several
     # inference workers"): a number for every model, or {name: number} (in the environment
@@ -282,6 +295,21 @@ class Settings(BaseSettings):
                 raise ValueError(f"{name} is given twice, as a setting ({data[name]!r}) and as an engine argument "
                                  f"({value!r}): give it once")
             data[name] = value
+    @model_validator(mode="after")
+    def _check_parsers(self) -> Settings:
+        for name in self.model_parsers:
+            if name not in self.served.names:
+                raise ValueError(f"model_parsers names {name!r}, which is not a served model ({', '.join(self.served.names)})")
+        for m in self.served.models:
+            self.parsers(m.name).check("" if not self.model_parsers else f"model {m.name}: ")
+        return self
+
+    def parsers(self, model: str | None = None) -> ModelParsers:
+        """The served model's parsers (llmpipe/parsing/config.py); None: the default model."""
+        name = self.served.get(model).name
+        defaults = ModelParsers(self.tool_call_parser, self.reasoning_parser, self.enable_auto_tool_choice)
+        return resolve_parsers(defaults, self.model_parsers, name)
+
         data["engine_args"] = args
         return data
 

@@ -27,6 +27,8 @@ OWNED = {
     "model": "the model is the `model` setting (--model)",
     "skip_tokenizer_init": "the pipeline sets it to false: vLLM loads the tokenizer only to compile structured-output "
                            "grammars, while prompts go in and outputs come out as token ids",
+    "reasoning_parser": "it is the reasoning_parser setting (per model: model_parsers), which the chat stages parse "
+                        "with too",
 }
 
 # Engine arguments that are settings too (one value, shared with the other stages: the
