@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from llmpipe.messages import FinishReason, Logprob, SamplingParams
 
@@ -18,6 +19,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0  # vLLM's: lower is scheduled sooner (llmpipe/jobs/lanes.py)
+    reasoning_ended: bool | None = None  # vLLM's: a grammar applies from the first token (None: its reasoner decides)
 
 
 @dataclass
@@ -44,9 +46,13 @@ class Engine(ABC):
 
     name: str = "engine"
     continuous: bool = False
-    # What the engine can do beyond plain sampling; a request asking for more is refused.
+    # What the engine can do beyond plain sampling; a request asking for more is refused
+    # (refusal() below; the API checks it before enqueuing, the inference stage again).
     supports_logprobs: bool = False
     supports_structured_outputs: bool = False
+    # SamplingParams fields this engine cannot honour: a request that sets one to anything
+    # but its default is refused, naming the field and the engine, never run without it.
+    unsupported_params: ClassVar[frozenset[str]] = frozenset()
 
     @abstractmethod
     def generate(self, batch: list[EngineRequest], on_tokens: TokenCallback | None = None) -> list[EngineOutput]:
@@ -66,3 +72,27 @@ class Engine(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Release the model and any child process."""
+
+
+# The sampling fields beyond plain sampling (temperature, top_p, seed, stop ids and strings,
+# max_tokens, ignore_eos), which an engine declares in unsupported_params when it lacks one.
+EXTRA_SAMPLING = frozenset({
+    "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "logit_bias",
+    "allowed_token_ids", "bad_words",
+})
+
+
+def refusal(engine: Engine | type[Engine], p: SamplingParams) -> tuple[str, str] | None:
+    """(field, message) for the first thing ``p`` asks that ``engine`` cannot do; None if it can."""
+    if p.logprobs is not None and not engine.supports_logprobs:
+        return "logprobs", f"the {engine.name} engine does not return log probabilities"
+    if p.prompt_logprobs is not None and not engine.supports_logprobs:
+        return "prompt_logprobs", f"the {engine.name} engine does not return log probabilities"
+    if p.structured is not None and not engine.supports_structured_outputs:
+        return "structured", (f"the {engine.name} engine has no structured outputs (guided decoding needs the vllm "
+                              "engine)")
+    fields = SamplingParams.model_fields
+    for name in sorted(engine.unsupported_params):
+        if getattr(p, name) != fields[name].get_default(call_default_factory=True):
+            return name, f"{name} is not supported by the {engine.name} engine"
+    return None

@@ -30,8 +30,10 @@ def _simulated(settings: Settings) -> Engine:
     return simulated.SimulatedGpuEngine(cost, max_model_len=settings.max_model_len)
 
 
-def create_engine(settings: Settings, model_path: str | None = None) -> Engine:
-    """A new engine for ``settings``; the model is resolved (built, converted) when needed."""
+def create_engine(settings: Settings, model_path: str | None = None, model: str | None = None) -> Engine:
+    """A new engine for ``settings``; the model is resolved (built, converted) when needed.
+    ``model``: the served model's name (None: the default), whose reasoning parser vLLM's
+    structured outputs wait for (vllm serve's --reasoning-parser)."""
     kind = EngineKind(settings.engine)
     if kind in (EngineKind.VLLM, EngineKind.TRANSFORMERS):
         try:
@@ -39,7 +41,9 @@ def create_engine(settings: Settings, model_path: str | None = None) -> Engine:
         except EngineArgError as e:
             raise EngineError(str(e)) from None
     if kind is EngineKind.VLLM:
-        return vllm_engine.VllmEngine(_model_path(settings, model_path), kv_cache_gib=settings.kv_cache_gib, **args)
+        reasoning = settings.parsers(model).reasoning_parser
+        own = {"reasoning_parser": reasoning} if reasoning else {}
+        return vllm_engine.VllmEngine(_model_path(settings, model_path), kv_cache_gib=settings.kv_cache_gib, **own, **args)
     if kind is EngineKind.TRANSFORMERS:
         return hf_engine.TransformersEngine(_model_path(settings, model_path), **args)
     if kind is EngineKind.NOOP:

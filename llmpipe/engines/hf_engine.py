@@ -9,11 +9,14 @@ The decode loop is our own (prefill once with left padding, then one token per s
 the KV cache), so that every request of a batch keeps its own sampling parameters,
 ``max_tokens`` and stop ids, and ``on_tokens`` is called after every step.
 
-Sampling: ``temperature == 0`` is greedy (the same argmax as vLLM, so greedy ids match
-vLLM's on the same float32 weights). Otherwise temperature + top-p (no top-k), like vLLM.
+Sampling, with vLLM's semantics (llmpipe/engines/hf_sampling.py): allowed_token_ids,
+bad_words, min_tokens, logit_bias and the repetition, frequency and presence penalties
+process the logits; ``temperature == 0`` is greedy (the same argmax as vLLM, so greedy ids
+match vLLM's on the same float32 weights), otherwise temperature, min_p, top_k and top_p.
 A request with a ``seed`` draws from its own ``torch.Generator`` seeded with it, so it is
 reproducible with this engine whatever else is in the batch; the draws are NOT the same as
-vLLM's for the same seed. Unseeded requests share one generator seeded at start-up.
+vLLM's for the same seed. Unseeded requests share one generator seeded at start-up. Guided
+decoding (structured outputs) is vLLM's only: such a request is refused (supports_structured_outputs).
 
 Log probabilities, as vLLM computes them by default (``raw_logprobs``): the log-softmax of
 the model's logits before temperature and top-p, with the sampled token's rank and the top
@@ -33,6 +36,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from llmpipe.engines import hf_sampling
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
 from llmpipe.errors import EngineDeadError, EngineError
 from llmpipe.messages import FinishReason, Logprob
@@ -213,7 +217,7 @@ class TransformersEngine(Engine):
                                                                 r.params.prompt_logprobs)
             logits = out.logits[:, -1, :]
             for _ in range(max(st.limits)):
-                chosen = self._choose(logits, batch, gens, st.reasons)
+                chosen = self._choose(logits, batch, gens, st)
                 lps = torch.log_softmax(logits.float(), dim=-1) if any(st.want_lp) else None
                 self._record(st, batch, chosen, lps, on_tokens)
                 if all(x is not None for x in st.reasons):
@@ -291,21 +295,20 @@ class TransformersEngine(Engine):
         lps = self._torch.log_softmax(logits[width - n : width - 1].float(), dim=-1)
         return [[Logprob(id=ids[0])]] + [_position(lps[j - 1], ids[j], k) for j in range(1, n)]
 
-    def _choose(self, logits: Any, batch: list[EngineRequest], gens: list[Any], reasons: list[Any]) -> list[int]:
+    def _choose(self, logits: Any, batch: list[EngineRequest], gens: list[Any], st: _Decoding) -> list[int]:
         torch = self._torch
         logits = logits.float()
         chosen = logits.argmax(dim=-1).tolist()
         for i, r in enumerate(batch):
             p = r.params
-            if reasons[i] is not None or p.temperature == 0:
+            if st.reasons[i] is not None:
                 continue
-            probs = torch.softmax(logits[i] / p.temperature, dim=-1)
-            if p.top_p < 1.0:
-                sorted_probs, idx = probs.sort(descending=True)
-                cum = sorted_probs.cumsum(-1)
-                sorted_probs[(cum - sorted_probs) > p.top_p] = 0.0  # keep the smallest set reaching top_p
-                probs = torch.zeros_like(probs).scatter_(0, idx, sorted_probs)
-            chosen[i] = int(torch.multinomial(probs, 1, generator=gens[i]).item())
+            row = logits[i]
+            if hf_sampling.needs_processing(p):
+                row = hf_sampling.process(torch, row.clone(), p, r.prompt_token_ids, st.tokens[i], st.stops[i])
+                chosen[i] = int(row.argmax().item())
+            if p.temperature != 0:
+                chosen[i] = hf_sampling.draw(torch, row, p, gens[i])
         return chosen
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
+from llmpipe.engines.base import EXTRA_SAMPLING, Engine, EngineOutput, EngineRequest, TokenCallback
 from llmpipe.messages import FinishReason
 
 
@@ -16,6 +16,7 @@ class NoopEngine(Engine):
 
     name = "noop"
     continuous = True
+    unsupported_params = EXTRA_SAMPLING  # it samples nothing
 
     def __init__(self, max_model_len: int | None = None) -> None:
         self._max_model_len = max_model_len

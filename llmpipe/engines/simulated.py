@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
+from llmpipe.engines.base import EXTRA_SAMPLING, Engine, EngineOutput, EngineRequest, TokenCallback
 from llmpipe.messages import FinishReason
 
 log = logging.getLogger("llmpipe.simulated")
@@ -69,6 +69,7 @@ class SimulatedGpuCost:
 class SimulatedGpuEngine(Engine):
     name = "simulated-gpu"
     continuous = False
+    unsupported_params = EXTRA_SAMPLING  # its tokens are made up
 
     def __init__(
         self,

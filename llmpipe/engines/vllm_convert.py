@@ -1,6 +1,11 @@
 """Between llmpipe's messages and vLLM's types: sampling parameters in, logprobs and
 scheduler stats out, and which vLLM errors are worth a retry. vLLM is imported only inside
-the functions that need it (llmpipe/engines/vllm_engine.py runs them in the worker)."""
+the functions that need it (llmpipe/engines/vllm_engine.py runs them in the worker).
+
+The detokenizing options (skip_special_tokens, spaces_between_special_tokens,
+include_stop_str_in_output) and stop strings are not vLLM's business here: it returns ids,
+and postprocess (and the API's live decode) make the text with them. min_tokens is both:
+vLLM holds back the stop ids and EOS, the detokenizer the stop strings."""
 
 from __future__ import annotations
 
@@ -76,26 +81,35 @@ def prompt_positions(prompt_ids: list[int], plp: Any) -> list[list[Logprob]]:
 
 
 def sampling_params(p: SamplingParams, eos_ids: list[int]) -> Any:
-    """Ours as vLLM's: ids out (``detokenize=False``), stop strings left to postprocess, the
-    model's EOS ids added to the stop ids unless ``ignore_eos``, deltas streamed."""
+    """Ours as vLLM's: ids out (``detokenize=False``), stop strings and the detokenizing
+    options left to postprocess, the model's EOS ids added to the stop ids unless
+    ``ignore_eos``, deltas streamed. Built with vLLM's ``from_optional``, as its server builds
+    them, so that vLLM's own checks run on every value."""
     from vllm import SamplingParams as VSamplingParams
-    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+    from vllm.sampling_params import RequestOutputKind
+
+    from llmpipe.parsing.vllm_parsers import to_vllm_structured
 
     stop = list(dict.fromkeys(list(p.stop_token_ids) + ([] if p.ignore_eos else eos_ids)))
-    structured = None
-    if p.structured is not None:
-        structured = StructuredOutputsParams(json=p.structured.json_schema) if p.structured.json_schema is not None \
-            else StructuredOutputsParams(json_object=True)
-    return VSamplingParams(
+    return VSamplingParams.from_optional(
         max_tokens=p.max_tokens,
         temperature=p.temperature,
         top_p=p.top_p,
+        top_k=p.top_k,
+        min_p=p.min_p,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty,
         seed=p.seed,
         stop_token_ids=stop,
         ignore_eos=p.ignore_eos,
+        min_tokens=p.min_tokens,
+        logit_bias=p.logit_bias,
+        allowed_token_ids=p.allowed_token_ids,
+        bad_words=list(p.bad_words) or None,
         logprobs=p.logprobs,
         prompt_logprobs=p.prompt_logprobs,
-        structured_outputs=structured,
+        structured_outputs=to_vllm_structured(p.structured),
         detokenize=False,
         output_kind=RequestOutputKind.DELTA,
     )

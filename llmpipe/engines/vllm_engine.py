@@ -96,11 +96,13 @@ class VllmEngine(Engine):
         *,
         kv_cache_gib: float = 1.0,
         start_timeout_s: float = 900.0,
+        reasoning_parser: str | None = None,
         **engine_args: Any,
     ) -> None:
         """``engine_args``: vLLM AsyncEngineArgs fields (dtype, max_model_len, enforce_eager,
         max_num_seqs, tensor_parallel_size, ...); llmpipe/engines/platform.py chooses them.
-        A None value leaves vLLM's own default."""
+        A None value leaves vLLM's own default. ``reasoning_parser``: the model's (the
+        reasoning_parser setting), which vLLM's structured outputs wait for, as vllm serve's."""
         owned = sorted(set(engine_args) & set(OWNED))
         if owned:
             raise EngineError(f"engine argument {owned[0]} is set by the pipeline: {OWNED[owned[0]]}")
@@ -118,7 +120,8 @@ class VllmEngine(Engine):
         args = built_args(engine_args, kv_cache_gib=kv_cache_gib, on_cpu=self._on_cpu)
         try:
             # The tokenizer is loaded for structured outputs only; prompts stay token ids (vllm_args.py).
-            self._args = AsyncEngineArgs(model=model, skip_tokenizer_init=SKIP_TOKENIZER_INIT, **args)
+            owned_args = {"reasoning_parser": reasoning_parser} if reasoning_parser else {}
+            self._args = AsyncEngineArgs(model=model, skip_tokenizer_init=SKIP_TOKENIZER_INIT, **owned_args, **args)
         except Exception as e:
             raise EngineError(f"bad vLLM engine arguments for {model!r}: {type(e).__name__}: {e}") from e
         # vLLM refuses a non-zero priority under fcfs (scheduling_policy set by an engine argument).
@@ -236,7 +239,8 @@ class VllmEngine(Engine):
         try:
             gen = self._llm.generate(TokensPrompt(prompt_token_ids=list(req.prompt_token_ids)),
                                      self._sampling_params(req.params), rid,
-                                     priority=req.priority if self._priorities else 0)
+                                     priority=req.priority if self._priorities else 0,
+                                     reasoning_ended=req.reasoning_ended)
             async for out in gen:
                 comp = out.outputs[0]
                 if out.prompt_logprobs and prompt_logprobs is None:

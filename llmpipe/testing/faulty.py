@@ -131,6 +131,7 @@ class FaultInjectingEngine(Engine):
         self.continuous = inner.continuous
         self.supports_logprobs = inner.supports_logprobs
         self.supports_structured_outputs = inner.supports_structured_outputs
+        self.unsupported_params = inner.unsupported_params
         log.warning("FAULT INJECTION is on (%s=%s): this engine fails on purpose", ENV, spec)
 
     @property

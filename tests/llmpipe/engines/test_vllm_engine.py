@@ -37,6 +37,29 @@ def test_greedy_ids_equal_transformers(vllm_engine, hf_engine):
     assert [o.finish_reason for o in v] == [o.finish_reason for o in h]
 
 
+def test_vllms_extra_sampling_fields_give_the_same_greedy_ids_in_transformers(vllm_engine, hf_engine, tiny_tokenizer):
+    """The transformers engine processes the logits as vLLM does (llmpipe/engines/hf_sampling.py):
+    penalties, logit_bias, allowed_token_ids, min_tokens and bad_words change the greedy ids
+    of both engines the same way."""
+    from llmpipe.processors.prompt_checks import bad_words_token_ids
+
+    (ref,) = vllm_engine.generate([EngineRequest("x-ref", PROMPTS[2], greedy(16))])
+    # A word the output holds as one of the token sequences vLLM forbids for it.
+    vocab_max = len(tiny_tokenizer) - 1
+    word = next(w for w in (tiny_tokenizer.decode([t]) for t in ref.token_ids)
+                if any(seq == [t] for t in ref.token_ids for seq in bad_words_token_ids(tiny_tokenizer, [w], vocab_max)))
+    fields = [dict(repetition_penalty=1.5), dict(presence_penalty=1.5, frequency_penalty=0.7),
+              dict(logit_bias={ref.token_ids[1]: -100.0, 300: 5.0}), dict(allowed_token_ids=[262, 290, 300, 4]),
+              dict(min_tokens=12, stop_token_ids=[ref.token_ids[5]]),
+              dict(bad_words=[word], bad_words_token_ids=bad_words_token_ids(tiny_tokenizer, [word], vocab_max))]
+    batch = [EngineRequest(f"x{i}", PROMPTS[2], greedy(16, **f)) for i, f in enumerate(fields)]
+    v, h = vllm_engine.generate(batch), hf_engine.generate(batch)
+    for f, vo, ho in zip(fields, v, h, strict=True):
+        assert vo.token_ids == ho.token_ids, f
+        assert vo.token_ids != ref.token_ids, f  # the field did change the output
+    assert set(v[3].token_ids) <= {262, 290, 300, 4}
+
+
 def _close(a, b, tol=1e-4):
     return all(x.id == y.id and x.rank == y.rank and (x.logprob is None) == (y.logprob is None)
                and (x.logprob is None or abs(x.logprob - y.logprob) <= tol) for x, y in zip(a, b, strict=True))
