@@ -23,6 +23,7 @@ from llmpipe.jobs.memo import StageMemo
 from llmpipe.jobs.store import JobStore
 from llmpipe.messages import TokenizedRequest
 from llmpipe.models.registry import resolve_model
+from llmpipe.parsing.vllm_parsers import ModelParser
 from llmpipe.processors.collector import JobFinisher
 from llmpipe.processors.cpu_stages import PostprocessStage, PreprocessStage, TokenizeStage
 from llmpipe.processors.inference_processor import InferenceProcessor
@@ -45,9 +46,10 @@ class ModelResources:
     """One served model's tokenizer and CPU-stage processors in this process, each loaded
     once, on first use: a CPU worker serves every model and pays only for those it is asked for."""
 
-    def __init__(self, settings: Settings, source: str):
+    def __init__(self, settings: Settings, source: str, name: str | None = None):
         self.settings = settings
         self.source = source
+        self.name = name or settings.served.default.name
 
     @cached_property
     def model_path(self) -> str:
@@ -63,12 +65,19 @@ class ModelResources:
         return min(n, self.settings.max_model_len) if self.settings.max_model_len else n
 
     @cached_property
+    def parser(self) -> ModelParser | None:
+        """The model's tool-call and reasoning parsers (vLLM's; imported on first use), if it has any."""
+        parsers = self.settings.parsers(self.name)
+        return ModelParser(self.tokenizer_owner.get(), parsers, self.name) if parsers.any else None
+
+    @cached_property
     def input_processor(self) -> InputProcessor:
-        return InputProcessor(self.tokenizer_owner.get(), self.context_len, vocab_size=model_vocab_size(self.model_path))
+        return InputProcessor(self.tokenizer_owner.get(), self.context_len, vocab_size=model_vocab_size(self.model_path),
+                              parser=self.parser)
 
     @cached_property
     def output_processor(self) -> OutputProcessor:
-        return OutputProcessor(self.tokenizer_owner.get())
+        return OutputProcessor(self.tokenizer_owner.get(), parser=self.parser)
 
     def shutdown(self) -> None:
         if "tokenizer_owner" in self.__dict__:
@@ -107,7 +116,7 @@ class WorkerContext:
         res = self._models.get(m.name)
         if res is None:
             with self._models_lock:
-                res = self._models.setdefault(m.name, ModelResources(self.settings, m.source))
+                res = self._models.setdefault(m.name, ModelResources(self.settings, m.source, m.name))
         return res
 
     # The own model's, for code that serves one model (the inference worker, the tests).
@@ -155,8 +164,8 @@ class WorkerContext:
 
     @cached_property
     def engine_owner(self) -> EngineOwner:
-        return EngineOwner(lambda: hook.wrap_engine(create_engine(self.settings, self.model_path), self.settings,
-                                                    self.model_path))
+        return EngineOwner(lambda: hook.wrap_engine(create_engine(self.settings, self.model_path, self.own_model.name),
+                                                    self.settings, self.model_path))
 
     def inference(self) -> InferenceProcessor:
         """The process's InferenceProcessor (engine + batcher), built on first use."""
@@ -165,7 +174,7 @@ class WorkerContext:
                 if self._inference is None:
                     own = os.environ.get(WORKER_QUEUE_ENV) or None
                     self._inference = start_inference(self.engine_owner.get(), self.redis, self.settings,
-                                                      self.own_model, own_queue=own,
+                                                      self.own_model, self.model(self.own_model.name), own_queue=own,
                                                       worker=os.environ.get(WORKER_NODE_ENV) or f"pid{os.getpid()}")
                     if own is not None:
                         held = os.environ.get(WORKER_CAPACITY_ENV) or KINDS[Stage.INFERENCE].concurrency(self.settings)

@@ -50,11 +50,33 @@ class InferenceRuntime:
         self.processor.shutdown()
 
 
-def start_inference(engine: Any, r: redis.Redis, s: Settings, model: ServedModel, *,
+def stream_parser(resources: Any):
+    """(request, ids it already streamed) -> the ParsedStream of a streamed chat output for the
+    model's parsers (llmpipe/parsing/streams.py); None when the model has none. The model's
+    parsers are built here at start, so that a parser that cannot work with the tokenizer
+    stops the worker naming the settings, as vllm serve refuses to start."""
+    parser = resources.parser if resources is not None else None
+    if parser is None:
+        return None
+    _ = parser.cls  # imports vLLM's parsers (this worker has vLLM imported already) and checks them
+
+    def make(req: Any, prefix: list[int]) -> Any:
+        from llmpipe.messages import Detokenizing
+        from llmpipe.parsing.streams import make_stream
+        from llmpipe.processors.inference_processor import PROMPT_TAIL
+
+        return make_stream(parser.stream(req.parsing, req.prompt_token_ids), parser.tokenizer,
+                           req.prompt_token_ids[-PROMPT_TAIL:], req.params.stop, Detokenizing.of(req.params), prefix)
+
+    return make
+
+
+def start_inference(engine: Any, r: redis.Redis, s: Settings, model: ServedModel, resources: Any = None, *,
                     own_queue: str | None = None, worker: str = "") -> InferenceRuntime:
     """The InferenceProcessor over ``engine`` for ``model``'s queue, its cancel listener,
-    and a thread that samples the engine gauges until the processor stops. ``own_queue``:
-    this worker's own queue (prefix-aware routing), where requests wait for it too;
+    and a thread that samples the engine gauges until the processor stops. ``resources``: the
+    model's tokenizer and parsers (workers/context.py ModelResources), for parsed streams.
+    ``own_queue``: this worker's own queue (prefix-aware routing), where requests wait for it too;
     ``worker``: its node name, the label of its engine's prefix-cache counters."""
 
     def on_batch(size: int, wait_s: float) -> None:
@@ -68,7 +90,7 @@ def start_inference(engine: Any, r: redis.Redis, s: Settings, model: ServedModel
             company_expected=queue_probe(r, (model.queue, *([own_queue] if own_queue else [])), s), on_batch=on_batch,
             publisher=publisher, cancelled_jobs=lambda ids: cancel.cancelled(r, ids),
             on_engine_dead=lambda exc: engine_died(exc, amqp=s.broker_is_amqp),
-            published=lambda job_id: read_published(r, job_id),
+            published=lambda job_id: read_published(r, job_id), stream_parser=stream_parser(resources),
             batch_lane=lambda req: lane_for(req.priority, s.lane_batch_priority) is Lane.BATCH,
             batch_lane_slots=batch_lane_slots(s.lane_batch_share, engine_running_slots(engine, s)),
             batch_lane_hold_s=s.lane_slot_hold_s,

@@ -56,6 +56,8 @@ class _Tracked:
     published: int = 0
     last_flush: float = 0.0
     done: bool = False
+    parse: Any = None  # a ParsedStream (llmpipe/parsing/streams.py) when the output is parsed here
+    stop_terminated: bool = False  # (at the end) the last id stopped the output
 
 
 class TokenPublisher:
@@ -75,13 +77,14 @@ class TokenPublisher:
         self._thread.start()
 
     def register(self, request_id: str, job_id: str, index: int, stream: bool, prefix: list[int] | None = None, *,
-                 prompt_tokens: int | None = None, prompt_tail: list[int] | None = None) -> None:
+                 prompt_tokens: int | None = None, prompt_tail: list[int] | None = None, parse: Any = None) -> None:
         """``prefix``: ids already published for this request (by an earlier delivery).
-        ``prompt_tokens``, ``prompt_tail``: what a streaming request's entries carry."""
+        ``prompt_tokens``, ``prompt_tail``: what a streaming request's entries carry.
+        ``parse``: a ParsedStream that already took ``prefix`` in, for a parsed output."""
         prefix = list(prefix or [])
         with self._lock:
             self._tracked[request_id] = _Tracked(job_id, index, stream, prompt_tokens, prompt_tail, ids=prefix,
-                                                 published=len(prefix), last_flush=self._clock())
+                                                 published=len(prefix), last_flush=self._clock(), parse=parse)
         self._work.set()
 
     def on_tokens(self, request_id: str, ids_so_far: list[int]) -> None:
@@ -91,7 +94,9 @@ class TokenPublisher:
             if t.stream and not t.published:
                 self._work.set()  # a stream's first tokens go out at once (time to first token)
 
-    def finish(self, request_id: str, final_ids: list[int] | None = None) -> None:
+    def finish(self, request_id: str, final_ids: list[int] | None = None, *, stop_terminated: bool = False) -> None:
+        """``stop_terminated``: the output ended at a stop token or EOS (its last id), whose
+        text a parsed output leaves out."""
         with self._lock:
             t = self._tracked.get(request_id)
             if t is None:
@@ -105,6 +110,7 @@ class TokenPublisher:
             if final_ids is not None:
                 t.ids = final_ids
             t.done = True
+            t.stop_terminated = stop_terminated
         self.flush(force=True)
 
     def flush(self, force: bool = False) -> int:
@@ -115,14 +121,10 @@ class TokenPublisher:
                 due = (force or t.done or (t.stream and not t.published)
                        or now - t.last_flush >= (self.flush_s if t.stream else self.partial_every_s))
                 if due and len(t.ids) > t.published:
-                    fields = {"i": t.index, "o": t.published, "d": json.dumps(t.ids[t.published:])}
-                    if t.stream and t.prompt_tokens is not None:
-                        fields["p"] = t.prompt_tokens
-                    if t.stream and t.prompt_tail is not None:
-                        fields["t"] = json.dumps(t.prompt_tail)
-                    entries.append((t.job_id, fields))
-                    t.published = len(t.ids)
-                    t.last_flush = now
+                    fields = self._entry(t)
+                    if fields is not None:
+                        entries.append((t.job_id, fields))
+                        t.last_flush = now
                 if t.done:
                     del self._tracked[rid]
         if not entries:
@@ -137,6 +139,27 @@ class TokenPublisher:
         except Exception:  # partial output is best effort; the result still comes via the chord
             log.warning("could not publish partial output", exc_info=True)
         return len(entries)
+
+    def _entry(self, t: _Tracked) -> dict | None:
+        """The next entry of ``t`` (None: nothing new to publish yet); moves ``t.published``."""
+        upto, deltas = len(t.ids), None
+        if t.parse is not None:
+            try:
+                upto, deltas = t.parse.advance(t.ids, final=t.done, stop_terminated=t.stop_terminated)
+            except Exception:  # a parser bug must not stop the stream: postprocess's result completes it
+                log.warning("could not parse a streamed output; it is published unparsed", exc_info=True)
+                t.parse, upto, deltas = None, len(t.ids), None
+        if upto <= t.published:
+            return None
+        fields = {"i": t.index, "o": t.published, "d": json.dumps(t.ids[t.published:upto])}
+        if deltas is not None:
+            fields["m"] = json.dumps(deltas, separators=(",", ":"))
+        if t.stream and t.prompt_tokens is not None:
+            fields["p"] = t.prompt_tokens
+        if t.stream and t.prompt_tail is not None:
+            fields["t"] = json.dumps(t.prompt_tail)
+        t.published = upto
+        return fields
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -165,9 +188,11 @@ class PromptInfo:
 
 
 def apply_entries(entries: list[tuple[Any, dict]], ids_by_index: dict[int, list[int]],
-                  prompts: dict[int, PromptInfo] | None = None) -> dict[int, list[int]]:
+                  prompts: dict[int, PromptInfo] | None = None,
+                  deltas: dict[int, list[dict]] | None = None) -> dict[int, list[int]]:
     """Merge stream entries into ``ids_by_index``; returns the ids new to each index.
-    ``prompts`` (optional) collects each index's prompt length and tail, when entries carry them.
+    ``prompts`` (optional) collects each index's prompt length and tail, when entries carry them;
+    ``deltas`` (optional) the delta messages of a parsed output, in order.
 
     Entries carry their offset, so a replayed entry adds nothing."""
     new: dict[int, list[int]] = {}
@@ -182,6 +207,8 @@ def apply_entries(entries: list[tuple[Any, dict]], ids_by_index: dict[int, list[
         if off > len(have):
             continue  # a gap: wait for the entry that fills it
         fresh = delta[len(have) - off:]
+        if fresh and deltas is not None and "m" in f and off == len(have):
+            deltas.setdefault(i, []).extend(json.loads(f["m"]))
         if fresh:
             have.extend(fresh)
             new.setdefault(i, []).extend(fresh)

@@ -1,11 +1,17 @@
 """Token ids to text exactly as vLLM's OpenAI server makes it, so that llmpipe's answers
 match ``vllm serve`` on the same model.
 
-* The output text is decoded incrementally after the prompt's last ids (tokenizers'
-  ``DecodeStream``, as vLLM's FastIncrementalDetokenizer), skipping special tokens.
-* A generation stopped by a token (EOS or a stop id) keeps the token but not its text.
-* Stop strings are checked after each token; the one that completes first wins (ties: list
-  order); the text ends before it and the ids end at the token that completed it.
+* :class:`IncrementalDetokenizer` is vLLM's (its v1 FastIncrementalDetokenizer, on the Rust
+  ``tokenizers`` library): the output decoded after the prompt's last ids (``DecodeStream``),
+  with the request's ``skip_special_tokens`` and ``spaces_between_special_tokens``; a
+  generation stopped by a token (EOS or a stop id) keeps the token but not its text unless
+  ``include_stop_str_in_output``; stop strings are checked once ``min_tokens`` tokens are
+  out, the one that completes first wins (ties: list order), the text ends before it (or
+  after it, with ``include_stop_str_in_output``) and the ids end at the token that completed
+  it; a stream holds back as many characters as the longest stop string, less one.
+  Postprocess decodes a whole output with it (:func:`detokenize`), the API decodes a live
+  stream with it (api/openai/sse.py), the inference worker decodes the streams it parses
+  (llmpipe/parsing/streams.py): the three agree by construction.
 * Each logprob token is decoded alone (vLLM's ``convert_ids_list_to_tokens``), with the
   leading space a SentencePiece decode drops put back, and a piece of a character split
   across tokens completed from the tokens sampled before it (vLLM's ``_verify_tokens``).
@@ -13,13 +19,15 @@ match ``vllm serve`` on the same model.
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass
 from typing import Any
 
-from llmpipe.messages import Logprob
+from llmpipe.messages import Detokenizing, Logprob
 
 _REPLACEMENT = "\ufffd"
+_INVALID_PREFIX = "Invalid prefix"
 
 
 @dataclass
@@ -29,62 +37,142 @@ class Detokenized:
     stop_string: str | None = None
 
 
-class _Stream:
-    """Text deltas, one token at a time, after ``prefix`` ids."""
+def rust_tokenizer(tokenizer: Any) -> Any:
+    """The Rust ``tokenizers.Tokenizer`` of a transformers fast tokenizer, or the object itself
+    when it is one already (the API's); None for a slow (Python) tokenizer."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend
+    return tokenizer if hasattr(tokenizer, "get_added_tokens_decoder") else None
 
-    def __init__(self, tokenizer: Any, prefix: list[int]):
+
+class _SlowStream:
+    """Text deltas of a slow (Python) tokenizer: the decoded prefixes diffed."""
+
+    def __init__(self, tokenizer: Any, prefix: list[int], skip_special_tokens: bool):
         self.tok = tokenizer
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            from tokenizers.decoders import DecodeStream
-
-            self.backend = backend
-            self.stream = DecodeStream(ids=list(prefix), skip_special_tokens=True)
-        else:  # a slow (Python) tokenizer: diff the decoded prefixes
-            self.backend = None
-            self.ids = list(prefix)
-            self.base = tokenizer.decode(self.ids, skip_special_tokens=True)
-            self.prefix_len = len(self.base)
+        self.skip = skip_special_tokens
+        self.ids = list(prefix)
+        self.base = tokenizer.decode(self.ids, skip_special_tokens=skip_special_tokens)
 
     def step(self, token_id: int) -> str:
-        if self.backend is not None:
-            try:
-                return self.stream.step(self.backend, token_id) or ""
-            except Exception as exc:  # tokenizers' "Invalid prefix": restart, as vLLM does
-                if not str(exc).startswith("Invalid prefix"):
-                    raise
-                from tokenizers.decoders import DecodeStream
-
-                self.stream = DecodeStream(skip_special_tokens=True)
-                return self.stream.step(self.backend, token_id) or ""
         self.ids.append(token_id)
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        text = self.tok.decode(self.ids, skip_special_tokens=self.skip)
         if text.endswith(_REPLACEMENT):
             return ""
         out, self.base = text[len(self.base):], text
         return out
 
 
-def detokenize(tokenizer: Any, ids: list[int], *, prompt_tail: list[int], stop: list[str],
-               stopped_by_token: bool) -> Detokenized:
-    """The output text of ``ids``, cut at the first stop string as vLLM's detokenizer does."""
-    stream = _Stream(tokenizer, prompt_tail)
-    stops = [s for s in stop if s]
-    text = ""
-    n_text = len(ids) - 1 if stopped_by_token and ids else len(ids)
-    for k, token_id in enumerate(ids[:n_text], start=1):
-        new = stream.step(token_id)
-        text += new
-        if not new or not stops:
-            continue
-        best: tuple[int, int, str] | None = None  # (end, start, stop string)
-        for s in stops:
-            at = text.find(s, max(0, len(text) - len(new) - len(s) + 1))
-            if at >= 0 and (best is None or at + len(s) < best[0]):
-                best = (at + len(s), at, s)
-        if best is not None:
-            return Detokenized(text[: best[1]], list(ids[:k]), best[2])
-    return Detokenized(text, list(ids))
+class IncrementalDetokenizer:
+    """vLLM's detokenizer for one output: feed ids with :meth:`update`, read the text with
+    :meth:`next_text`. ``prefix``: the prompt's last ids."""
+
+    def __init__(self, tokenizer: Any, prefix: list[int], stop: list[str], opts: Detokenizing | None = None):
+        opts = opts or Detokenizing()
+        self.opts = opts
+        self.stop = [s for s in stop if s]
+        self.hold = max(len(s) for s in self.stop) - 1 if self.stop and not opts.include_stop_str_in_output else 0
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.stop_string: str | None = None
+        self.sent = 0
+        self._rust = rust_tokenizer(tokenizer)
+        if self._rust is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._decode_stream = DecodeStream
+            self._stream = DecodeStream(ids=list(prefix), skip_special_tokens=opts.skip_special_tokens)
+        else:
+            self._stream = _SlowStream(tokenizer, prefix, opts.skip_special_tokens)
+        self._added: dict[int, str] | None = None
+        self._last_special = False
+        if not (opts.skip_special_tokens or opts.spaces_between_special_tokens) and self._rust is not None:
+            self._added = {i: t.content for i, t in self._rust.get_added_tokens_decoder().items()} or None
+
+    def _step(self, token_id: int) -> str:
+        if self._rust is None:
+            return self._stream.step(token_id)
+        try:
+            piece = self._stream.step(self._rust, token_id)
+        except Exception as exc:  # tokenizers' "Invalid prefix": restart, as vLLM does
+            if not str(exc).startswith(_INVALID_PREFIX):
+                raise
+            self._stream = self._decode_stream(skip_special_tokens=self.opts.skip_special_tokens)
+            piece = self._stream.step(self._rust, token_id)
+        if self._added is not None:
+            special = self._added.get(token_id)
+            if special is not None and self._last_special:
+                piece = special  # no space between two special tokens
+            self._last_special = special is not None
+        return piece or ""
+
+    def update(self, new_ids: list[int], stop_terminated: bool = False) -> str | None:
+        """Decode ``new_ids`` (the last of them the stop token when ``stop_terminated``); returns
+        the stop string that ended the output, if one did. Ids after the end are ignored."""
+        if not new_ids or self.stop_string is not None:
+            return None
+        skipped = None
+        if stop_terminated and not self.opts.include_stop_str_in_output:
+            skipped, new_ids = new_ids[-1], new_ids[:-1]
+        before, first = len(self.token_ids), len(self.token_ids)
+        offsets = [len(self.text)] if self.stop else None
+        for t in new_ids:
+            self.token_ids.append(t)
+            self.text += self._step(t)
+            if offsets is not None:
+                offsets.append(len(self.text))
+        if skipped is not None:
+            self.token_ids.append(skipped)
+            if offsets is not None:
+                offsets.append(len(self.text))
+        if offsets is None or len(self.token_ids) <= self.opts.min_tokens:
+            return None
+        check_from = offsets[max(self.opts.min_tokens - before, 0)]
+        found = _find_stop(self.text, len(self.text) - check_from, self.stop, self.opts.include_stop_str_in_output)
+        if found is None:
+            return None
+        self.stop_string, cut = found
+        end = len(self.text) if cut == -1 else cut
+        if not self.opts.include_stop_str_in_output:
+            end += len(self.stop_string)
+        del self.token_ids[first + bisect.bisect_left(offsets, end, lo=1):]
+        if cut != -1:
+            self.text = self.text[:cut]
+        return self.stop_string
+
+    def next_text(self, finished: bool = False) -> str:
+        """The text not returned yet, less what a stop string may still take back (none once finished)."""
+        upto = len(self.text) - (0 if finished or self.stop_string is not None else self.hold)
+        if upto <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent:upto], upto
+        return out
+
+
+def _find_stop(text: str, new_chars: int, stop: list[str], include: bool) -> tuple[str, int] | None:
+    """vLLM's check_stop_strings: (stop string, where to cut the text, -1: nowhere) or None."""
+    if not new_chars or not stop:
+        return None
+    best: tuple[int, int, str] | None = None  # (end, start, stop string)
+    for s in stop:
+        at = text.find(s, 1 - new_chars - len(s))
+        if at != -1 and (best is None or at + len(s) < best[0]):
+            best = (at + len(s), at, s)
+    if best is None:
+        return None
+    end, start, s = best
+    if include:
+        return s, -1 if end >= len(text) else end
+    return s, start
+
+
+def detokenize(tokenizer: Any, ids: list[int], *, prompt_tail: list[int], stop: list[str], stopped_by_token: bool,
+               opts: Detokenizing | None = None) -> Detokenized:
+    """The output text of ``ids``, as vLLM's detokenizer makes it."""
+    d = IncrementalDetokenizer(tokenizer, prompt_tail, stop, opts)
+    d.update(list(ids), stop_terminated=stopped_by_token)
+    return Detokenized(d.text, list(d.token_ids), d.stop_string)
 
 
 def _space_marker(tokenizer: Any) -> str | None:

@@ -10,9 +10,18 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 
-from llmpipe.engines.base import Engine, EngineOutput, EngineRequest
+from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, refusal
 from llmpipe.errors import BadRequestError, CancelledError, EngineDeadError, EngineError, ExpiredError
-from llmpipe.messages import ErrorReason, FinishReason, Generation, SamplingParams, Stage, StageError, TokenizedRequest
+from llmpipe.messages import (
+    Detokenizing,
+    ErrorReason,
+    FinishReason,
+    Generation,
+    SamplingParams,
+    Stage,
+    StageError,
+    TokenizedRequest,
+)
 from llmpipe.processors.batching import Batcher
 from llmpipe.processors.envelope import WallClock, run_stage
 from llmpipe.processors.isolation import run_isolated
@@ -28,10 +37,13 @@ def resumable(params: SamplingParams) -> bool:
     """Whether a request that runs again can continue exactly from the ids it emitted.
     Not when it asked for log probabilities: the emitted ids' logprobs (and the prompt's,
     which would then cover them too) are gone with the attempt that made them. Not with a
-    grammar (response_format): vLLM would start the grammar again at the continuation.
-    Such a request runs again whole; the API refuses to stream logprobs, so only a
-    streamed grammar request can have shown ids, and it fails rather than take them back."""
-    return params.logprobs is None and params.prompt_logprobs is None and params.structured is None
+    grammar (guided decoding): vLLM would start the grammar again at the continuation. Not
+    with presence or frequency penalties or bad words: the emitted ids would count as
+    prompt, which those do not see. Such a request runs again whole; the API refuses to
+    stream logprobs, so only a streamed one of the others can have shown ids, and it fails
+    rather than take them back."""
+    return (params.logprobs is None and params.prompt_logprobs is None and params.structured is None
+            and not params.presence_penalty and not params.frequency_penalty and not params.bad_words)
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,7 @@ class InferenceProcessor:
         retry_attempts: int = 3,
         on_engine_dead: Callable[[BaseException], None] | None = None,
         published: Callable[[str], dict[int, list[int]]] | None = None,
+        stream_parser: Callable[[TokenizedRequest, list[int]], object | None] | None = None,
         batch_lane: Callable[[TokenizedRequest], bool] | None = None,
         batch_lane_slots: int | None = None,
         batch_lane_hold_s: float | None = None,
@@ -89,6 +102,9 @@ class InferenceProcessor:
         self._cancelled_jobs = cancelled_jobs
         self._attempts = retry_attempts
         self._published = published
+        # (request, ids it already streamed) -> the ParsedStream of a streamed chat output that
+        # the model's parsers parse here (llmpipe/parsing/streams.py), or None.
+        self._stream_parser = stream_parser
         self._lock = threading.Lock()
         self._running: dict[str, set[str]] = defaultdict(set)  # job id -> request ids in the engine
         self._aborted: set[str] = set()  # request ids already aborted: the broadcast and the sweep both report a cancel
@@ -156,23 +172,31 @@ class InferenceProcessor:
         if tracked:
             self._emitted[req.request_id] = prefix
         if self._publisher is not None and tracked:
+            parse = self._stream_parser(req, prefix) if req.stream and req.parsing and self._stream_parser else None
             self._publisher.register(req.request_id, req.job_id, req.index, req.stream, prefix=prefix,
                                      prompt_tokens=len(req.prompt_token_ids),
-                                     prompt_tail=req.prompt_token_ids[-PROMPT_TAIL:])
+                                     prompt_tail=req.prompt_token_ids[-PROMPT_TAIL:], parse=parse)
+        done: _Done | None = None
         try:
             fut = self.batcher.submit(req)
             try:
-                done: _Done = fut.result(timeout=max(0.0, req.deadline - self._clock()))
+                done = fut.result(timeout=max(0.0, req.deadline - self._clock()))
             except FutureTimeout:
                 self.engine.abort([req.request_id])
                 raise ExpiredError("job deadline passed during inference") from None
         finally:
             if self._publisher is not None:
-                self._publisher.finish(req.request_id)
+                out = done.output if done is not None else None
+                self._publisher.finish(req.request_id, None if out is None else out.token_ids,
+                                       stop_terminated=out is not None and out.finish_reason == FinishReason.STOP)
             self._emitted.pop(req.request_id, None)
+        return self._generation(req, done)
+
+    def _generation(self, req: TokenizedRequest, done: _Done) -> Generation:
         out = done.output
         if out.finish_reason == FinishReason.CANCELLED:
             raise CancelledError("job cancelled while the engine ran it")
+        parsing = None if req.parsing is None else req.parsing.model_copy(update={"prompt_token_ids": req.prompt_token_ids})
         return Generation(
             job_id=req.job_id, index=req.index, deadline=req.deadline, enqueued_at=req.enqueued_at,
             prompt_tokens=len(req.prompt_token_ids), output_token_ids=out.token_ids, priority=req.priority,
@@ -182,18 +206,20 @@ class InferenceProcessor:
             stop_token=out.stop_token, prompt_tail=req.prompt_token_ids[-PROMPT_TAIL:],
             prompt_token_ids=req.prompt_token_ids if req.params.echo else None,
             logprobs=out.logprobs, prompt_logprobs=out.prompt_logprobs,
+            detok=Detokenizing.of(req.params), parsing=parsing,
         )
 
     def _check_supported(self, req: TokenizedRequest) -> None:
         """A request asking for what this engine cannot do fails, naming the field; it is
-        never served without it. (The API refuses it first when it knows the engine.)"""
-        p, e = req.params, self.engine
-        if (p.logprobs is not None or p.prompt_logprobs is not None) and not e.supports_logprobs:
-            raise BadRequestError(f"the {e.name} engine does not return log probabilities",
-                                  param="logprobs" if p.logprobs is not None else "prompt_logprobs")
-        if p.structured is not None and not e.supports_structured_outputs:
-            raise BadRequestError(f"the {e.name} engine has no structured outputs (response_format needs the vllm engine)",
-                                  param="response_format")
+        never served without it. (The API refuses it first, from the engine's class.)"""
+        refused = refusal(self.engine, req.params)
+        if refused is None:
+            return
+        field, message = refused
+        if field == "structured":
+            forced = req.parsing is not None and req.parsing.tool_choice not in (None, "none")
+            field = "tool_choice" if forced else "response_format"
+        raise BadRequestError(message, param=field)
 
     def _run_batch(self, batch: list[TokenizedRequest]) -> list[_Done | Exception]:
         now = self._clock()
@@ -216,7 +242,8 @@ class InferenceProcessor:
             try:
                 outs = run_isolated(
                     self._run_engine,
-                    [EngineRequest(r.request_id, r.prompt_token_ids, r.params, r.priority) for _, r in live],
+                    [EngineRequest(r.request_id, r.prompt_token_ids, r.params, r.priority, r.reasoning_ended)
+                     for _, r in live],
                     attempts=self._attempts,
                 )
             except EngineDeadError as exc:
@@ -267,8 +294,9 @@ class InferenceProcessor:
                     stop_token = base[-1] if finished is FinishReason.STOP and base[-1] in r.params.stop_token_ids else None
                     outs[i] = EngineOutput(r.request_id, list(base), finished, stop_token=stop_token)
                     continue
-                r = EngineRequest(r.request_id, [*r.prompt_token_ids, *base],
-                                  r.params.model_copy(update={"max_tokens": r.params.max_tokens - len(base)}), r.priority)
+                left = {"max_tokens": r.params.max_tokens - len(base), "min_tokens": max(0, r.params.min_tokens - len(base))}
+                r = EngineRequest(r.request_id, [*r.prompt_token_ids, *base], r.params.model_copy(update=left),
+                                  r.priority, r.reasoning_ended)
             todo.append((i, r))
         if todo:
             base_of = {r.request_id: bases[i] for i, r in todo}

@@ -1,25 +1,36 @@
-"""PromptRequest -> TokenizedRequest: chat template, tokenization and limits."""
+"""PromptRequest -> TokenizedRequest: chat template (llmpipe/processors/chat_render.py),
+tokenization, truncation, the sampling checks that need the model
+(llmpipe/processors/prompt_checks.py), vLLM's adjusting of a chat request by the model's
+parsers (llmpipe/parsing/vllm_parsers.py), and limits."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
 
 from llmpipe.errors import BadRequestError, ContextLengthError
-from llmpipe.messages import PromptRequest, Stage, StageError, TokenizedRequest
+from llmpipe.messages import ChatMessage, ChatTemplate, PromptRequest, SamplingParams, Stage, StageError, TokenizedRequest
+from llmpipe.processors import chat_render, prompt_checks
 from llmpipe.processors.envelope import WallClock, run_stage
 
 
 class InputProcessor:
+    """``parser``: the model's ModelParser (llmpipe/parsing/vllm_parsers.py) when the model has
+    parsers; chat requests are then adjusted by them, as vLLM's chat server does."""
+
     def __init__(self, tokenizer: Any, context_len: int, *, allow_special_tokens: bool = False, clock: WallClock = time.time,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, parser: Any = None):
         self.tokenizer = tokenizer
         self.context_len = context_len
         # Token-id prompts are checked against the larger of the model's and the tokenizer's
         # vocabularies, as vLLM does (some models have ids the tokenizer lacks, and back).
         self.vocab_size = max(vocab_size or 0, len(tokenizer))
+        # Ids a request names (logit_bias, allowed_token_ids) index the model's logits (vLLM's bound).
+        self.model_vocab = vocab_size or len(tokenizer)
         self.allow_special_tokens = allow_special_tokens
+        self.parser = parser
         self._clock = clock
         # Each tokenizer call sets the tokenizer's own split_special_tokens flag before it
         # encodes: on a threads pool (a development worker) calls that interleave would
@@ -33,7 +44,7 @@ class InputProcessor:
         if req.prompt_token_ids is not None:
             return self._checked_ids(req.prompt_token_ids)
         if req.messages is not None:
-            return self.chat_ids([m.model_dump() for m in req.messages])
+            return self.chat_ids(req.messages, req.chat)
         assert req.prompt is not None
         if not req.prompt:
             raise BadRequestError("prompt must not be empty", param="prompt")
@@ -44,16 +55,33 @@ class InputProcessor:
         enc = self.tokenizer(text, add_special_tokens=add_special_tokens, split_special_tokens=not self.allow_special_tokens)
         return list(enc["input_ids"])
 
-    def chat_ids(self, convo: list[dict], *, add_generation_prompt: bool = True) -> list[int]:
-        if not convo:
+    def chat_ids(self, messages: list[ChatMessage] | list[dict], chat: ChatTemplate | None = None) -> list[int]:
+        """The ids of a conversation through the chat template, as vLLM renders and tokenizes it."""
+        if not messages:
             raise BadRequestError("messages must not be empty", param="messages")
-        if not self.allow_special_tokens and any(self._holds_special(m["content"]) for m in convo):
-            return self._chat_ids_with_text_contents(convo, add_generation_prompt)
-        ids = self.tokenizer.apply_chat_template(convo, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                                 return_dict=False)
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        msgs = [m if isinstance(m, ChatMessage) else ChatMessage.model_validate(m) for m in messages]
+        chat = chat or ChatTemplate()
+        conv = chat_render.conversation(msgs)
+        if not self.allow_special_tokens:
+            self._refuse_special_markup(conv, chat)
+        if not self.allow_special_tokens and any(self._holds_special(m["content"]) for m in conv):
+            ids = self._chat_ids_with_text_contents(conv, chat)
+        else:
+            ids = self._encode(chat_render.render(self.tokenizer, conv, chat), split_special=False)
+        if chat.add_special_tokens:  # on top of the template's own (vLLM's default: off)
+            prefix, suffix = self._special_wrap()
+            ids = prefix + ids + suffix
+        return ids
+
+    def _refuse_special_markup(self, conv: list[dict], chat: ChatTemplate) -> None:
+        """Message contents keep special-token text as text (below); the other text a template
+        renders (tools, documents, tool calls, reasoning, names) may not hold any."""
+        fields = {"tools": chat.tools, "documents": chat.documents, "chat_template_kwargs": chat.kwargs,
+                  "messages": [{k: v for k, v in m.items() if k not in ("role", "content")} for m in conv]}
+        for name, value in fields.items():
+            if value and self._holds_special(json.dumps(value, ensure_ascii=False)):
+                raise BadRequestError(f"{name} holds special-token text, which only message contents may (as text)",
+                                      param=name)
 
     def tokenize_view(self, *, prompt: str | None = None, messages: list[dict] | None = None,
                       add_special_tokens: bool | None = None, add_generation_prompt: bool = True,
@@ -61,10 +89,8 @@ class InputProcessor:
         """``POST /tokenize``: the ids this stage would feed the engine, in vLLM's shape."""
         with self._lock:
             if messages is not None:
-                ids = self.chat_ids(messages, add_generation_prompt=add_generation_prompt)
-                if add_special_tokens:  # on top of the template's own (vLLM's default: off)
-                    prefix, suffix = self._special_wrap()
-                    ids = prefix + ids + suffix
+                chat = ChatTemplate(add_generation_prompt=add_generation_prompt, add_special_tokens=bool(add_special_tokens))
+                ids = self.chat_ids(messages, chat)
             else:
                 ids = self.prompt_ids(prompt or "", add_special_tokens=True if add_special_tokens is None else add_special_tokens)
         strs = self.tokenizer.convert_ids_to_tokens(ids) if return_token_strs else None
@@ -98,20 +124,19 @@ class InputProcessor:
             specials = self._specials = tuple(t for t in names if t)
         return any(t in text for t in specials)
 
-    def _chat_ids_with_text_contents(self, convo: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def _chat_ids_with_text_contents(self, conv: list[dict], chat: ChatTemplate) -> list[int]:
         """The chat template's own markup becomes control tokens; message contents never do.
 
         A user writing "<|im_end|>" in a message must not close their turn and open another
         (prompt injection into the chat structure). The template is rendered with a
         placeholder per content, then the markup between placeholders is tokenized with
         special tokens parsed and each content with them split into plain text."""
-        marks = [f"\x00llmpipe-content-{i}\x00" for i in range(len(convo))]
-        rendered = self.tokenizer.apply_chat_template(
-            [{**m, "content": mark} for m, mark in zip(convo, marks, strict=True)],
-            add_generation_prompt=add_generation_prompt, tokenize=False)
+        marks = [f"\x00llmpipe-content-{i}\x00" for i in range(len(conv))]
+        rendered = chat_render.render(self.tokenizer, [{**m, "content": mark} for m, mark in zip(conv, marks, strict=True)],
+                                      chat)
         ids: list[int] = []
         rest = rendered
-        for m, mark in zip(convo, marks, strict=True):
+        for m, mark in zip(conv, marks, strict=True):
             head, sep, rest = rest.partition(mark)
             if not sep:  # the template changed the content: refuse rather than guess
                 raise BadRequestError("message content holds special-token text that this model's chat template "
@@ -127,7 +152,13 @@ class InputProcessor:
     def _tokenize(self, req: PromptRequest) -> TokenizedRequest:
         with self._lock:
             ids = self.token_ids(req)
-        n, m = len(ids), req.params.max_tokens
+            params = self._checked_params(req.params)
+        ids = prompt_checks.truncate(ids, params, self.context_len, getattr(self.tokenizer, "truncation_side", "right"))
+        parsing, reasoning_ended = None, None
+        if req.parsing is not None and self.parser is not None and self.parser.cls is not None:
+            params, reasoning_ended = self._adjusted(req, params, ids)
+            parsing = req.parsing
+        n, m = len(ids), params.max_tokens
         if n + m > self.context_len:
             raise ContextLengthError(
                 f"prompt has {n} tokens and max_tokens is {m}: {n + m} exceeds the model's context "
@@ -136,8 +167,25 @@ class InputProcessor:
             )
         return TokenizedRequest(
             job_id=req.job_id, index=req.index, deadline=req.deadline, enqueued_at=req.enqueued_at,
-            prompt_token_ids=ids, params=req.params, stream=req.stream, priority=req.priority, model=req.model,
+            prompt_token_ids=ids, params=params, stream=req.stream, priority=req.priority, model=req.model,
+            parsing=parsing, reasoning_ended=reasoning_ended,
         )
+
+    def _checked_params(self, p: SamplingParams) -> SamplingParams:
+        """vLLM's checks that need the model; the bad words as token ids (the transformers engine's)."""
+        prompt_checks.check_vocab(p, self.model_vocab)
+        if not p.bad_words:
+            return p
+        ids = prompt_checks.bad_words_token_ids(self.tokenizer, p.bad_words, self.vocab_size - 1)
+        return p.model_copy(update={"bad_words_token_ids": ids})
+
+    def _adjusted(self, req: PromptRequest, params: SamplingParams, ids: list[int]) -> tuple[SamplingParams, bool | None]:
+        """vLLM's adjust_request by the model's parsers (guided decoding for a forced tool call...)."""
+        from llmpipe.parsing.vllm_parsers import adjust_errors
+
+        messages = chat_render.conversation(req.messages) if req.messages else []
+        with adjust_errors():
+            return self.parser.adjust(req.parsing, params, messages, ids)
 
     @staticmethod
     def _failed(req: PromptRequest, error: StageError) -> TokenizedRequest:

@@ -1,4 +1,6 @@
-"""Generation -> PromptResult: detokenize and assemble the per-prompt result."""
+"""Generation -> PromptResult: detokenize (with the request's detokenizing options), parse a
+chat output with the model's parsers (vLLM's tool-call and reasoning parsers,
+llmpipe/parsing/vllm_parsers.py), and assemble the per-prompt result."""
 
 from __future__ import annotations
 
@@ -14,8 +16,11 @@ log = logging.getLogger("llmpipe.postprocess")
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any, *, clock: WallClock = time.time):
+    """``parser``: the model's ModelParser when the model has parsers (None: outputs stay text)."""
+
+    def __init__(self, tokenizer: Any, *, clock: WallClock = time.time, parser: Any = None):
         self.tokenizer = tokenizer
+        self.parser = parser
         self._clock = clock
 
     def process(self, gen: Generation) -> PromptResult:
@@ -25,8 +30,11 @@ class OutputProcessor:
             # Text, stop strings and logprob token texts exactly as vLLM's server makes them
             # (llmpipe/processors/detokenize.py).
             d: Detokenized = detokenize(self.tokenizer, g.output_token_ids, prompt_tail=g.prompt_tail, stop=g.stop,
-                                        stopped_by_token=g.finish_reason == FinishReason.STOP)
+                                        stopped_by_token=g.finish_reason == FinishReason.STOP, opts=g.detok)
             out["detok"] = d
+            if g.parsing is not None and self.parser is not None:
+                out["parsed"] = self.parser.parse(g.parsing, d.text, d.token_ids, stopped=g.finish_reason == FinishReason.STOP
+                                                  or d.stop_string is not None)
             if g.logprobs is not None:
                 out["logprobs"] = name_logprobs(self.tokenizer, g.logprobs[: len(d.token_ids)])
             if g.prompt_logprobs is not None:
@@ -39,6 +47,9 @@ class OutputProcessor:
         ok = done.error is None
         d: Detokenized = out.get("detok") or Detokenized("", [])
         finish = (FinishReason.STOP if d.stop_string is not None else done.finish_reason) if ok else _finish_for(done.error)
+        parsed = out.get("parsed")
+        if parsed is not None and parsed.tools_called:
+            finish = FinishReason.TOOL_CALLS
         result = PromptResult(
             index=done.index,
             text=d.text,
@@ -55,6 +66,7 @@ class OutputProcessor:
             prompt_text=out.get("prompt_text"),
             logprobs=out.get("logprobs"),
             prompt_logprobs=out.get("prompt_logprobs"),
+            parsed=parsed,
         )
         self._log(done, result)
         return result

@@ -161,7 +161,7 @@ class SeenPublisher:
     def on_tokens(self, request_id, ids):
         self.seen[request_id].append(list(ids))
 
-    def finish(self, request_id, final_ids=None):
+    def finish(self, request_id, final_ids=None, **_):
         pass
 
 
