@@ -5,11 +5,11 @@ imports neither torch nor transformers."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
 
 
 class Detokenizer:
@@ -19,13 +19,29 @@ class Detokenizer:
     def __init__(self, model_path):
         self._model_path = model_path
         self._tok: Tokenizer | None = None
+        self._eos: list[int] | None = None
         self._lock = threading.Lock()
+
+    def _path(self) -> str:
+        return self._model_path() if callable(self._model_path) else self._model_path
+
+    def eos_ids(self) -> list[int]:
+        """The model's EOS ids (generation_config.json, then config.json), as the engines stop at
+        them: a streamed output ends at one, without its text (vLLM)."""
+        if self._eos is None:
+            ids: set[int] = set()
+            for name in ("generation_config.json", "config.json"):
+                f = Path(self._path()) / name
+                value = json.loads(f.read_text()).get("eos_token_id") if f.is_file() else None
+                ids.update([value] if isinstance(value, int) else value or [])
+            self._eos = sorted(ids)
+        return self._eos
 
     def tokenizer(self) -> Tokenizer:
         if self._tok is None:
             with self._lock:
                 if self._tok is None:
-                    path = self._model_path() if callable(self._model_path) else self._model_path
+                    path = self._path()
                     f = Path(path) / "tokenizer.json"
                     self._tok = Tokenizer.from_file(str(f)) if f.is_file() else Tokenizer.from_pretrained(path)
         return self._tok
@@ -49,36 +65,3 @@ class Detokenizers:
     def get(self, model: str | None = None) -> Detokenizer:
         """The model's (None: the default); a name not served raises ModelNotFoundError."""
         return self._by_name[self.served.get(model).name]
-
-
-class IncrementalText:
-    """Text deltas from a growing list of token ids, in O(1) per token: the library's own
-    streaming decoder (``DecodeStream``) keeps only the last few ids it needs. A token
-    that ends inside a UTF-8 sequence gives no text until the next one completes it; what
-    is still held at the end comes with the final text (``_Choice.rest`` in api/openai/sse.py).
-
-    ``prefix``: the prompt's last ids, which postprocess decodes the output after
-    (llmpipe/processors/detokenize.py, as vLLM): the streamed text then is the final text's
-    own beginning, a first token's leading space included. ``stop_ids``: ids that end the
-    output without text of their own (vLLM drops a stop token's text), never decoded."""
-
-    def __init__(self, tokenizer: Tokenizer, prefix: list[int] | None = None, stop_ids: set[int] | frozenset = frozenset()):
-        self._tok = tokenizer
-        self._stop_ids = stop_ids
-        self._stream = DecodeStream(ids=list(prefix or []), skip_special_tokens=True)
-
-    def push(self, new_ids: list[int]) -> str:
-        out = []
-        for i in new_ids:
-            if i in self._stop_ids:
-                continue
-            try:
-                piece = self._stream.step(self._tok, i)
-            except Exception as exc:  # tokenizers' "Invalid prefix": restart, as vLLM (and postprocess) do
-                if not str(exc).startswith("Invalid prefix"):
-                    raise
-                self._stream = DecodeStream(skip_special_tokens=True)
-                piece = self._stream.step(self._tok, i)
-            if piece:
-                out.append(piece)
-        return "".join(out)

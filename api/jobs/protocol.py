@@ -4,14 +4,19 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from api.errors import ErrorBody
+from api.openai import sampling
+from api.openai.chat import ChatFields, check_generation_prompt, check_tool_usage
+from api.openai.sampling import SamplingFields
 from api.validation import Bool, Float, Int, Limit, Priority, Seed, TokenId
 from llmpipe.messages import ChatMessage, JobResult, JobStatus, SamplingParams
 
 
-class _JobParams(BaseModel):
+class _JobParams(SamplingFields):
+    """The job API's sampling parameters: the basics and vLLM's extra ones (api/openai/sampling.py)."""
+
     model_config = ConfigDict(extra="forbid")
 
     max_tokens: Int(Limit("max_tokens_limit", param="max_tokens"), ge=1) | None = Field(
@@ -27,9 +32,18 @@ class _JobParams(BaseModel):
         "A served model (GET /v1/models lists them); default: the first. One not served is 404 model_not_found."))
 
     def sampling(self, default_max_tokens: int) -> SamplingParams:
+        max_tokens = self.max_tokens or default_max_tokens
+        sampling.check(self, max_tokens=max_tokens)
         return SamplingParams(
-            max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature, top_p=self.top_p,
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
             seed=self.seed, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            top_k=self.top_k or 0, min_p=self.min_p or 0.0, min_tokens=self.min_tokens, logit_bias=self.bias(),
+            bad_words=list(dict.fromkeys(self.bad_words)), allowed_token_ids=self.allowed_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens, truncation_side=self.truncation_side,
         )
 
 
@@ -38,7 +52,10 @@ PromptText = Annotated[str, Field(min_length=1), Limit("max_prompt_chars", "leng
 
 
 class JobMessage(ChatMessage):
-    content: Annotated[str, Limit("max_prompt_chars", "length", param="messages")]
+    """A message of the chat: any role, the ``tool`` role (with ``tool_call_id``) and an
+    assistant's ``tool_calls`` included."""
+
+    content: Annotated[str, Limit("max_prompt_chars", "length", param="messages")] | None = None
 
 
 class JobPrompt(_JobParams):
@@ -57,12 +74,18 @@ class JobPrompts(_JobParams):
     messages: None = None
 
 
-class JobMessages(_JobParams):
-    """A chat; the model's chat template applies."""
+class JobMessages(ChatFields, _JobParams):
+    """A chat; the model's chat template applies, with the tools and the chat template's
+    fields of the OpenAI chat endpoint; the model's parsers split each result (``parsed``)."""
 
     messages: list[JobMessage] = Field(min_length=1)
     prompt: None = None
     prompts: None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_before(cls, data: Any) -> Any:
+        return check_generation_prompt(check_tool_usage(data))
 
 
 _INPUTS = {"prompt": "JobPrompt", "prompts": "JobPrompts", "messages": "JobMessages"}

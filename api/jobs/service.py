@@ -22,7 +22,9 @@ from api.jobs.protocol import JobCreate, JobView
 from api.request_keys import RequestKey, RequestKeys
 from api.waiter import JobWaiter
 from llmpipe.broker.redis_clients import UNAVAILABLE_ERRORS
-from llmpipe.errors import LimitExceededError, NotFoundError, OverloadedError, UnavailableError
+from llmpipe.engines.base import refusal
+from llmpipe.engines.kinds import engine_class
+from llmpipe.errors import BadRequestError, LimitExceededError, NotFoundError, OverloadedError, UnavailableError
 from llmpipe.jobs.admission import Admission, estimate_tokens, release
 from llmpipe.jobs.lanes import Lane, broker_priority, lane_for
 from llmpipe.jobs.store import JobRecord, JobStore, parse_wake
@@ -100,14 +102,19 @@ class JobService:
             raise LimitExceededError(f"a prompt may be at most {s.max_prompt_chars} characters (max_prompt_chars); got {longest}", param="prompt")
 
     def submit(self, body: JobCreate, key: RequestKey | None = None) -> Submitted:
+        params = body.sampling(self.settings.default_max_tokens)
+        refused = refusal(engine_class(self.settings.engine, self.settings.sim_continuous), params)
+        if refused is not None:
+            raise BadRequestError(refused[1], param=refused[0])
         if body.messages is not None:
-            inputs: list[dict[str, Any]] = [{"messages": body.messages}]
+            body.check_chat(self.settings, body.model)
+            inputs: list[dict[str, Any]] = [{"messages": body.messages, "parsing": body.output_parsing(),
+                                             "chat": body.chat_template_options(self.settings.trust_request_chat_template)}]
         elif body.prompts is not None:
             inputs = [{"prompt": p} for p in body.prompts]
         else:
             inputs = [{"prompt": body.prompt}]
-        return self.submit_inputs(inputs, body.sampling(self.settings.default_max_tokens), timeout=body.timeout, key=key,
-                                  priority=body.priority, model=body.model)
+        return self.submit_inputs(inputs, params, timeout=body.timeout, key=key, priority=body.priority, model=body.model)
 
     def submit_inputs(self, inputs: list[dict[str, Any]], params: SamplingParams | list[SamplingParams], *,
                       timeout: float | None, stream: bool = False, kind: str = "job", meta: dict | None = None,
@@ -341,7 +348,7 @@ def _input_text(inp: dict[str, Any]) -> str:
     if "prompt" in inp:
         return inp["prompt"]
     if "messages" in inp:
-        return " ".join(m.content for m in inp["messages"])
+        return " ".join(m.content or "" for m in inp["messages"])
     return ""
 
 
@@ -351,7 +358,7 @@ def _input_pieces(inp: dict[str, Any]) -> list[str]:
     if "limit_pieces" in inp:
         return inp["limit_pieces"]
     if "messages" in inp:
-        return [m.content for m in inp["messages"]]
+        return [m.content or "" for m in inp["messages"]]
     return [inp["prompt"]] if "prompt" in inp else []
 
 

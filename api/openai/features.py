@@ -1,31 +1,29 @@
-"""vLLM's request fields beyond plain sampling (token-id prompts, logprobs, echo,
-response_format): what the API checks before it enqueues, and how a finished prompt
+"""vLLM's request fields beyond plain sampling (token-id prompts, logprobs, echo, guided
+decoding, tools): what the API checks before it enqueues, and how a finished prompt
 becomes a choice. The pipeline carries them as data: preprocess skips tokenizing token-id
-prompts, inference asks the engine for logprobs or a grammar, postprocess names the
-tokens; here they only take vLLM's shapes."""
+prompts and renders tools, inference asks the engine for logprobs or a grammar,
+postprocess names the tokens and parses tool calls and reasoning; here they only take
+vLLM's shapes."""
 
 from __future__ import annotations
 
 from api.openai.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs_field
 from api.openai.protocol import ChatCompletionRequest, CompletionRequest
+from llmpipe.engines.base import refusal
+from llmpipe.engines.kinds import engine_class
 from llmpipe.errors import BadRequestError
-from llmpipe.messages import PromptResult
-from llmpipe.settings import EngineKind, Settings
-
-# What each engine does beyond plain sampling (the API never imports an engine).
-_LOGPROBS = {EngineKind.VLLM, EngineKind.TRANSFORMERS}
-_STRUCTURED = {EngineKind.VLLM}
+from llmpipe.messages import PromptResult, SamplingParams
+from llmpipe.settings import Settings
 
 
-def check_request(req: CompletionRequest | ChatCompletionRequest, s: Settings) -> None:
-    """Refuse, with a 400 naming the field, what this server cannot do as asked."""
-    engine = EngineKind(s.engine)
+def check_request(req: CompletionRequest | ChatCompletionRequest, s: Settings, params: SamplingParams) -> None:
+    """Refuse, with a 400 naming the field, what this server cannot do as asked; ``params``:
+    the request's sampling parameters (its first choice's, which vLLM's checks already made)."""
+    if isinstance(req, ChatCompletionRequest):
+        req.check_chat(s, req.model)
+    _check_engine(req, s, params)
     for name, n in (("logprobs", req.sample_logprobs()), ("prompt_logprobs", req.prompt_logprobs)):
-        if n is None:
-            continue
-        if engine not in _LOGPROBS:
-            raise BadRequestError(f"the {engine.value} engine does not return log probabilities", param=name)
-        if s.max_logprobs != -1 and (n == -1 or n > s.max_logprobs):
+        if n is not None and s.max_logprobs != -1 and (n == -1 or n > s.max_logprobs):
             kind = "sample" if name == "logprobs" else "prompt"
             raise BadRequestError(f"Requested {kind} logprobs of {n}, which is greater than max allowed: "
                                   f"{s.max_logprobs}", param=name)
@@ -33,9 +31,27 @@ def check_request(req: CompletionRequest | ChatCompletionRequest, s: Settings) -
         raise BadRequestError("llmpipe does not stream log probabilities: ask without `stream`", param="logprobs")
     if req.stream and req.return_token_ids:
         raise BadRequestError("llmpipe does not stream token ids: ask without `stream`", param="return_token_ids")
-    if req.response_format is not None and req.response_format.structured() is not None and engine not in _STRUCTURED:
-        raise BadRequestError(f"response_format {req.response_format.type!r} needs structured outputs, which the "
-                              f"{engine.value} engine does not have (run the vllm engine)", param="response_format")
+
+
+def _check_engine(req: CompletionRequest | ChatCompletionRequest, s: Settings, params: SamplingParams) -> None:
+    """What the engine class declares it cannot do (llmpipe/engines/base.py refusal)."""
+    engine = engine_class(s.engine, s.sim_continuous)
+    refused = refusal(engine, params)
+    if refused is None and isinstance(req, ChatCompletionRequest) and req.tool_choice_value() not in (None, "none", "auto") \
+            and not engine.supports_structured_outputs:
+        refused = "tool_choice", (f"tool_choice {req.tool_choice_value()!r} constrains the output to a tool call "
+                                  f"with guided decoding, which the {engine.name} engine does not have")
+    if refused is not None:
+        field, message = refused
+        raise BadRequestError(message, param=structured_param(req) if field == "structured" else field)
+
+
+def structured_param(req: CompletionRequest | ChatCompletionRequest) -> str:
+    """The request field that asked for a constraint."""
+    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(req, name) is not None:
+            return name
+    return "response_format"
 
 
 def completion_choice(r: PromptResult, req: CompletionRequest, inp: dict) -> dict:
@@ -70,13 +86,36 @@ def echo_text(inp: dict, decoded: str | None) -> str:
 
 def chat_choice(r: PromptResult, req: ChatCompletionRequest) -> dict:
     as_ids = bool(req.return_tokens_as_token_ids)
+    # vLLM leaves the logprobs and ids out when the reasoning is hidden (they would show it).
+    hide = r.parsed is not None and not req.include_reasoning
+    finish = r.finish_reason.value
+    message = chat_message(r, req)
+    if req.legacy_functions and finish == "tool_calls":
+        finish = "function_call"
     return {
-        "index": r.index, "message": {"role": "assistant", "content": r.text},
-        "finish_reason": r.finish_reason.value, "stop_reason": r.stop_reason,
-        "logprobs": None if r.logprobs is None else chat_logprobs(r.token_ids, r.logprobs, req.top_logprobs or 0,
-                                                                   as_ids=as_ids),
-        "token_ids": r.token_ids if req.return_token_ids else None,
+        "index": r.index, "message": message, "finish_reason": finish, "stop_reason": r.stop_reason,
+        "logprobs": None if r.logprobs is None or hide else chat_logprobs(r.token_ids, r.logprobs,
+                                                                           req.top_logprobs or 0, as_ids=as_ids),
+        "token_ids": r.token_ids if req.return_token_ids and not hide else None,
     }
+
+
+def chat_message(r: PromptResult, req: ChatCompletionRequest) -> dict:
+    """The answer's message as vLLM's chat server builds it: the parsers' content, reasoning and
+    tool calls when the model has parsers (postprocess split them), else the text; with
+    OpenAI's older functions, the first call as ``function_call``."""
+    msg: dict = {"role": req.response_role(), "content": r.text, "reasoning": None}
+    if r.parsed is not None:
+        p = r.parsed
+        msg.update(content=p.content, reasoning=p.reasoning if req.include_reasoning else None)
+        calls = [c.model_dump() for c in p.tool_calls]
+        if calls and req.legacy_functions:
+            msg["function_call"] = calls[0]["function"]
+        elif calls:
+            msg["tool_calls"] = calls
+    if req.echo_text():
+        msg["content"] = req.echo_text() + (msg["content"] or "")
+    return msg
 
 
 def chat_extras(results: list[PromptResult], req: ChatCompletionRequest) -> dict:

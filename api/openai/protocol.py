@@ -5,8 +5,20 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
+from api.openai import sampling, structured
+from api.openai.chat import (
+    ChatFields,
+    ChatIn,
+    check_generation_prompt,
+    check_tool_usage,
+    legacy_functions,
+    reasoning_alias,
+)
+from api.openai.sampling import SamplingFields
+from api.openai.structured import ResponseFormat, StructuredOutputsIn
 from api.validation import (
     Bool,
     Float,
@@ -21,7 +33,7 @@ from api.validation import (
     same_json,
 )
 from llmpipe.errors import BadRequestError
-from llmpipe.messages import ChatMessage, SamplingParams, StructuredOutput
+from llmpipe.messages import SamplingParams, StructuredOutput
 
 
 class StreamOptions(BaseModel):
@@ -29,48 +41,15 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: Bool = False  # vLLM: usage on every chunk (with include_usage)
 
 
-class JsonSchema(BaseModel):
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
-    name: str | None = None
-    description: str | None = None
-    json_schema: dict | None = Field(default=None, alias="schema")
-    strict: Bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(json_schema_extra={"if": {"properties": {"type": {"const": "json_schema"}}},
-                                                 "then": {"required": ["json_schema"],
-                                                          "properties": {"json_schema": {"type": "object"}}}})
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchema | None = None
-
-    def structured(self) -> StructuredOutput | None:
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return StructuredOutput(json_object=True)
-        if self.json_schema is None:
-            raise BadRequestError("When response_format type is 'json_schema', the 'json_schema' field must be provided.",
-                                  param="response_format")
-        return StructuredOutput(json_schema=self.json_schema.json_schema or {})
-
-
 # Fields of vLLM's (and OpenAI's) requests that llmpipe does not implement, with the values
-# that ask for nothing: any other value is refused with a 400 naming the field, never ignored.
+# that ask for nothing: any other value is refused with a 400 naming the field, never ignored
+# (docs/api.md says why each is refused).
 _UNSUPPORTED: dict[str, tuple] = {
-    "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "repetition_penalty": (None, 1),
-    "logit_bias": (None, {}), "top_k": (None, 0, -1), "min_p": (None, 0), "min_tokens": (None, 0),
     "best_of": (None, 1), "use_beam_search": (None, False), "length_penalty": (None, 1),
-    "suffix": (None, ""), "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
-    "spaces_between_special_tokens": (None, True), "allowed_token_ids": (None, []), "bad_words": (None, []),
-    "truncate_prompt_tokens": (None,), "truncation_side": (None,), "prompt_embeds": (None,),
-    "structured_outputs": (None,), "logprob_token_ids": (None, []), "tools": (None, []),
-    "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "continue_final_message": (None, False), "chat_template": (None,), "chat_template_kwargs": (None, {}),
-    "documents": (None,), "mm_processor_kwargs": (None,), "kv_transfer_params": (None,),
+    "suffix": (None, ""), "prompt_embeds": (None,), "logprob_token_ids": (None, []),
+    "mm_processor_kwargs": (None,), "media_io_kwargs": (None,), "kv_transfer_params": (None,),
     "vllm_xargs": (None,), "thinking_token_budget": (None, -1), "repetition_detection": (None,),
-    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "guided_decoding_backend": (None,), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
 }
 
 
@@ -91,7 +70,7 @@ def _schema_extra(unsupported: dict[str, tuple], rules: list[dict]):
     return extra
 
 
-class _Common(BaseModel):
+class _Common(SamplingFields):
     # Unknown fields are ignored, as vLLM and OpenAI's own server do; known ones that
     # llmpipe does not implement are refused (_UNSUPPORTED) unless they ask for nothing.
     model_config = ConfigDict(extra="allow", json_schema_extra=_schema_extra(_UNSUPPORTED, [_STREAM_RULES]))
@@ -111,7 +90,15 @@ class _Common(BaseModel):
     user: str | None = None
     timeout: Float(gt=0) | None = Field(default=None, description="llmpipe: seconds until the request expires.")
     response_format: ResponseFormat | None = Field(
-        default=None, description="json_object or json_schema: the output is JSON (the vllm engine's structured outputs).")
+        default=None, description="json_object, json_schema or structural_tag (the vllm engine's structured outputs).")
+    structured_outputs: StructuredOutputsIn | None = Field(
+        default=None, description="vLLM's guided decoding: one of json, regex, choice, grammar, json_object, structural_tag.")
+    guided_json: dict | str | None = Field(default=None, description="vLLM's older name of structured_outputs.json.")
+    guided_regex: str | None = Field(default=None, description="vLLM's older name of structured_outputs.regex.")
+    guided_choice: list[str] | None = Field(default=None, description="vLLM's older name of structured_outputs.choice.")
+    guided_grammar: str | None = Field(default=None, description="vLLM's older name of structured_outputs.grammar.")
+    guided_whitespace_pattern: str | None = Field(default=None, description="vLLM's older name of "
+                                                  "structured_outputs.whitespace_pattern.")
     prompt_logprobs: Int(LogprobsRange("prompt_logprobs", "prompt")) | None = Field(
         default=None, description="vLLM: log probabilities of each prompt token; at most max_logprobs.")
     return_tokens_as_token_ids: Bool | None = Field(
@@ -134,13 +121,30 @@ class _Common(BaseModel):
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
+    def structured(self) -> StructuredOutput | None:
+        guided = {k: getattr(self, k) for k in structured.GUIDED}
+        return structured.resolve(self.structured_outputs, self.response_format, guided, self.named_tool_choice())
+
+    def named_tool_choice(self) -> dict | None:
+        return None
+
     def sampling(self, max_tokens: int, k: int = 0) -> SamplingParams:
+        """The sampling parameters of choice ``k``, once vLLM's checks of the fields passed
+        (api/openai/sampling.py, with the effective max_tokens)."""
+        sampling.check(self, max_tokens=max_tokens)
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
             seed=None if self.seed is None else self.seed + k, stop_token_ids=self.stop_token_ids,
             stop=self.stops(), ignore_eos=self.ignore_eos, logprobs=self.sample_logprobs(),
             prompt_logprobs=self.prompt_logprobs, echo=self.echoes() or bool(self.return_token_ids),
-            structured=self.response_format.structured() if self.response_format else None,
+            structured=self.structured(),
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            top_k=self.top_k or 0, min_p=self.min_p or 0.0, min_tokens=self.min_tokens, logit_bias=self.bias(),
+            bad_words=list(dict.fromkeys(self.bad_words)), allowed_token_ids=self.allowed_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens, truncation_side=self.truncation_side,
         )
 
     def sample_logprobs(self) -> int | None:
@@ -217,28 +221,8 @@ class CompletionRequest(_Common):
         return p
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: Annotated[str, Limit("max_prompt_chars", "length", param="messages")]
-
-
-class ChatIn(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[str, Limit("max_prompt_chars", "length", param="messages")] | list[TextPart]
-    name: str | None = None
-
-    def pieces(self) -> list[str]:
-        """The texts max_prompt_chars limits, as the schema states it: the content, or each part."""
-        return [self.content] if isinstance(self.content, str) else [p.text for p in self.content]
-
-    def to_message(self) -> ChatMessage:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return ChatMessage(role="system" if self.role == "developer" else self.role, content=text)
-
-
-# Chat: besides _UNSUPPORTED, an echo (vLLM's chat has one) and a chat without the generation prompt.
-_CHAT_UNSUPPORTED = {**_UNSUPPORTED, "echo": (None, False), "add_generation_prompt": (None, True)}
+# Chat: the same fields are refused (vLLM's chat has them all).
+_CHAT_UNSUPPORTED = dict(_UNSUPPORTED)
 _CHAT_RULES = [
     {**_STREAM_RULES, "then": {"properties": {**_STREAM_RULES["then"]["properties"], "logprobs": {"const": False}}}},
     # top_logprobs asks for something only with logprobs: true (vLLM)
@@ -247,11 +231,14 @@ _CHAT_RULES = [
 ]
 
 
-class ChatCompletionRequest(_Common):
+class ChatCompletionRequest(ChatFields, _Common):
     model_config = ConfigDict(json_schema_extra=_schema_extra(_CHAT_UNSUPPORTED, _CHAT_RULES))
     _unsupported: ClassVar[dict[str, tuple]] = _CHAT_UNSUPPORTED
 
     messages: list[ChatIn] = Field(min_length=1)
+    echo: Bool = Field(default=False, description="vLLM: the answer starts with the last message's content when "
+                                                  "it has the answer's role (with continue_final_message).")
+    legacy_functions: SkipJsonSchema[bool] = Field(default=False, exclude=True)
     max_tokens: Int(Limit("max_tokens_limit", param="max_tokens"), ge=1) | None = Field(
         default=None, description="At most max_tokens_limit; default: the server's default_max_tokens.")
     max_completion_tokens: Int(Limit("max_tokens_limit", param="max_completion_tokens"), ge=1) | None = None
@@ -259,20 +246,47 @@ class ChatCompletionRequest(_Common):
     top_logprobs: Int(LogprobsRange("top_logprobs", "sample", over_param="logprobs")) | None = Field(
         default=0, description="With logprobs: this many top tokens per position; at most max_logprobs.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_before(cls, data: Any) -> Any:
+        # vLLM's before-validators, in its order, on the raw body.
+        return check_generation_prompt(check_tool_usage(reasoning_alias(legacy_functions(data))))
+
     @model_validator(mode="after")
     def _top_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise BadRequestError("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
         return self
 
+    def named_tool_choice(self) -> dict | None:
+        c = self.tool_choice_value()
+        return c if isinstance(c, dict) else None
+
+    def response_role(self) -> str:
+        """vLLM's: the assistant's, or the last message's without a generation prompt."""
+        return "assistant" if self.add_generation_prompt else self.messages[-1].role
+
+    def echo_text(self) -> str:
+        """With echo: the last message's content when it has the answer's role (vLLM)."""
+        last = self.messages[-1]
+        if not self.echo or last.role != self.response_role():
+            return ""
+        return last.to_message().content or ""
+
     def sample_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
 
 
 class UsageOut(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        default=None, description="vLLM: with a reasoning parser, the output's reasoning tokens.")
 
 
 class CompletionChoice(BaseModel):
@@ -295,9 +309,32 @@ class CompletionResponse(BaseModel):
     usage: UsageOut
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
+    role: str = "assistant"
+    content: str | None = None
+    reasoning: str | None = Field(default=None, description="vLLM: the reasoning parser's share of the output.")
+    tool_calls: list[ToolCallOut] = Field(default_factory=list, description="Parsed tool calls (left out when none).")
+    function_call: FunctionCallOut | None = Field(default=None, description="With OpenAI's older functions.")
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler):
+        data = handler(self)
+        if not data.get("tool_calls"):
+            data.pop("tool_calls", None)  # vLLM leaves an empty list out
+        if data.get("function_call") is None:
+            data.pop("function_call", None)
+        return data
 
 
 class ChatChoice(BaseModel):

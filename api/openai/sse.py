@@ -1,9 +1,13 @@
 """Server-sent events for ``stream: true``: token deltas from the job's Redis stream.
 
-The text sent is always a prefix of the final text: what the inference worker publishes is
-never taken back (a request that runs again resumes from it), and the last chunk completes
-the text from the job's result. A client that disconnects has its job cancelled
-(:class:`JobStream`), and the engine aborts its requests.
+A choice's ids are decoded here with vLLM's detokenizer and the request's detokenizing
+options (llmpipe/processors/detokenize.py, as postprocess decodes them), or, for a chat
+output that the model's parsers parse, the inference worker's delta messages (content,
+reasoning, tool calls: llmpipe/parsing/streams.py) are relayed as they are, in vLLM's
+shape. What is sent is always the beginning of the final answer: what the inference worker
+publishes is never taken back (a request that runs again resumes from it), and the last
+chunk completes the answer from the job's result. A client that disconnects has its job
+cancelled (:class:`JobStream`), and the engine aborts its requests.
 """
 
 from __future__ import annotations
@@ -20,20 +24,21 @@ from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from api.detok import Detokenizer, IncrementalText
+from api.detok import Detokenizer
 from api.errors import error_event
 from api.jobs.protocol import JobView
 from api.jobs.service import JobService
 from api.waiter import JobWaiter
 from llmpipe.jobs.streaming import PromptInfo, apply_entries, is_end, stream_key
-from llmpipe.messages import ErrorReason, JobStatus
+from llmpipe.messages import Detokenizing, ErrorReason, JobStatus, Parsed, PromptResult
+from llmpipe.processors.detokenize import IncrementalDetokenizer
 
 log = logging.getLogger("llmpipe.api")
 
 FALLBACK_S = 1.0  # a silent stream's record is read this often (the end marker wakes it first)
 
-# chunk(index, text_delta, finish_reason) -> the OpenAI chunk object for one choice
-ChunkFn = Callable[[int, str, str | None], dict]
+# chunk(index, text delta or delta message, finish_reason) -> the OpenAI chunk object for one choice
+ChunkFn = Callable[[int, str | dict, str | None], dict]
 
 
 def sse(obj: dict | str) -> bytes:
@@ -41,60 +46,109 @@ def sse(obj: dict | str) -> bytes:
 
 
 class _Choice:
-    """Streamed text of one choice, cut at the first stop string. Holds back as many
-    characters as the longest stop string, less one, so a stop is never half sent."""
+    """Streamed text of one choice: vLLM's detokenizer over its ids, which holds back as many
+    characters as the longest stop string, less one, so a stop is never half sent. An id in
+    ``stop_ids`` (the request's stop ids, EOS unless ignore_eos) ends the output: the engine
+    stops there, and its text is left out unless include_stop_str_in_output."""
 
-    def __init__(self, inc: IncrementalText, stops: list[str]):
-        self.inc = inc
-        self.stops = [s for s in stops if s]
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.text = ""  # all text decoded so far
-        self.sent = 0
+    def __init__(self, detok: IncrementalDetokenizer, stop_ids: frozenset[int] = frozenset()):
+        self.detok = detok
+        self.stop_ids = stop_ids
         self.stopped = False
+        self.completed = False
 
     def push(self, ids: list[int]) -> str:
-        if self.stopped:
-            return ""
-        self.text += self.inc.push(ids)
-        cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.stopped = True
-            upto = cut
-        else:
-            upto = max(self.sent, len(self.text) - self.hold)
-        out, self.sent = self.text[self.sent:upto], upto
-        return out
+        for t in ids:
+            if self.stopped:
+                break
+            self.stopped = self.detok.update([t], stop_terminated=t in self.stop_ids) is not None or t in self.stop_ids
+        return self.detok.next_text()
 
     def rest(self, final_text: str) -> str:
-        """What the final result adds beyond what was sent."""
-        if final_text.startswith(self.text[: self.sent]) and len(final_text) > self.sent:
-            out = final_text[self.sent:]
-            self.sent = len(final_text)
-            return out
-        return ""
+        """What the final result adds beyond what was sent (once)."""
+        sent = self.detok.text[: self.detok.sent]
+        if self.completed or not final_text.startswith(sent):
+            return ""
+        self.completed = True
+        return final_text[len(sent):]
+
+    def rest_delta(self, r: PromptResult) -> str | dict:
+        return self.rest(r.text if r.parsed is None else r.parsed.content or "")
+
+
+class _ParsedChoice:
+    """A choice whose delta messages the inference worker parsed: relayed as they are; what
+    they said is kept, so that the last chunk adds what postprocess's result has beyond it."""
+
+    def __init__(self) -> None:
+        self.content = ""
+        self.reasoning = ""
+        self.calls: dict[int, dict] = {}  # index -> {"name": ..., "arguments": ...} sent so far
+
+    def relay(self, deltas: list[dict]) -> list[dict]:
+        for d in deltas:
+            self.content += d.get("content") or ""
+            self.reasoning += d.get("reasoning") or ""
+            for c in d.get("tool_calls") or []:
+                sent = self.calls.setdefault(c["index"], {"name": "", "arguments": ""})
+                fn = c.get("function") or {}
+                sent["name"] += fn.get("name") or ""
+                sent["arguments"] += fn.get("arguments") or ""
+        return deltas
+
+    def rest_delta(self, r: PromptResult) -> dict:
+        p = r.parsed or Parsed(content=r.text)
+        out: dict = {}
+        content, reasoning = _beyond(self.content, p.content), _beyond(self.reasoning, p.reasoning)
+        if content:
+            out["content"] = content
+        if reasoning:
+            out["reasoning"] = reasoning
+        calls = []
+        for j, call in enumerate(p.tool_calls):
+            sent = self.calls.get(j)
+            if sent is None:
+                calls.append({"index": j, "id": call.id, "type": "function",
+                              "function": {"name": call.function.name, "arguments": call.function.arguments}})
+            elif rest := _beyond(sent["arguments"], call.function.arguments):
+                calls.append({"index": j, "function": {"arguments": rest}})
+        if calls:
+            out["tool_calls"] = calls
+        return out
+
+
+def _beyond(sent: str, final: str | None) -> str:
+    return final[len(sent):] if final and final.startswith(sent) else ""
 
 
 class _Choices:
     """The streamed choices of one job: each choice's text decoded from the token ids of the
-    job's stream, as SSE chunks (``chunk``), with the usage so far when ``continuous_usage``."""
+    job's stream, or its parsed delta messages relayed, as SSE chunks (``chunk``), with the
+    usage so far when ``continuous_usage``."""
 
     def __init__(self, loading: asyncio.Future, n_choices: int, stops: list[str], stop_ids: frozenset[int],
-                 chunk: ChunkFn, continuous_usage: bool):
-        self.loading = loading  # the tokenizer, loading
+                 chunk: ChunkFn, continuous_usage: bool, opts: Detokenizing):
+        self.loading = loading  # (the tokenizer, the EOS ids that end an output), loading
         self.n_choices = n_choices
         self.stops = stops
         self.stop_ids = stop_ids
         self.chunk = chunk
         self.continuous_usage = continuous_usage
-        self.choices: dict[int, _Choice] = {}
+        self.opts = opts
+        self.choices: dict[int, _Choice | _ParsedChoice] = {}
         self.ids: dict[int, list[int]] = {}
         self.prompts: dict[int, PromptInfo] = {}
 
-    async def choice(self, i: int) -> _Choice:
-        # Made at its first entry, which says after which prompt ids to decode.
+    async def choice(self, i: int, parsed: bool = False) -> _Choice | _ParsedChoice:
+        # Made at its first entry, which says after which prompt ids to decode (or that it is parsed).
         if i not in self.choices:
-            tail = self.prompts[i].tail if i in self.prompts else []
-            self.choices[i] = _Choice(IncrementalText(await self.loading, tail, self.stop_ids), self.stops)
+            if parsed:
+                self.choices[i] = _ParsedChoice()
+            else:
+                tail = self.prompts[i].tail if i in self.prompts else []
+                tok, eos = await self.loading
+                self.choices[i] = _Choice(IncrementalDetokenizer(tok, tail, self.stops, self.opts),
+                                          self.stop_ids | frozenset(eos))
         return self.choices[i]
 
     def with_usage(self, obj: dict, i: int, prompt: int | None = None, completion: int | None = None) -> dict:
@@ -105,13 +159,17 @@ class _Choices:
         return obj
 
     async def push(self, entries: list) -> list[bytes]:
-        """The chunks of new text in these stream entries."""
+        """The chunks of new text (or delta messages) in these stream entries."""
         out = []
-        for i, new in apply_entries(entries, self.ids, self.prompts).items():
-            if i < self.n_choices:
-                delta = (await self.choice(i)).push(new)
-                if delta:
-                    out.append(sse(self.with_usage(self.chunk(i, delta, None), i)))
+        deltas: dict[int, list[dict]] = {}
+        for i, new in apply_entries(entries, self.ids, self.prompts, deltas).items():
+            if i >= self.n_choices:
+                continue
+            c = await self.choice(i, parsed=i in deltas)
+            if isinstance(c, _ParsedChoice):
+                out += [sse(self.with_usage(self.chunk(i, d, None), i)) for d in c.relay(deltas.get(i, []))]
+            elif delta := c.push(new):
+                out.append(sse(self.with_usage(self.chunk(i, delta, None), i)))
         return out
 
     async def finish(self, view: JobView, usage_chunk: Callable[[JobView], dict] | None) -> list[bytes]:
@@ -123,7 +181,7 @@ class _Choices:
             return [sse(error_event(reason, err.message if err else f"job {view.status.value}", err.param if err else None))]
         out = []
         for r in view.result.results:
-            tail = (await self.choice(r.index)).rest(r.text)
+            tail = (await self.choice(r.index, parsed=r.parsed is not None and r.index not in self.choices)).rest_delta(r)
             out.append(sse(self.with_usage(self.chunk(r.index, tail, r.finish_reason.value), r.index, r.prompt_tokens,
                                            r.completion_tokens)))
         if usage_chunk is not None:
@@ -134,14 +192,15 @@ class _Choices:
 async def stream_job(
     *, job_id: str, n_choices: int, stops: list[str], service: JobService, waiter: JobWaiter,
     aredis: aioredis.Redis, detok: Detokenizer, chunk: ChunkFn, first: list[dict], usage_chunk: Callable[[JobView], dict] | None,
-    deadline: float, continuous_usage: bool = False, stop_ids: Iterable[int] = (),
+    deadline: float, continuous_usage: bool = False, stop_ids: Iterable[int] = (), opts: Detokenizing | None = None,
+    ignore_eos: bool = False,
 ) -> AsyncIterator[bytes]:
     """``continuous_usage``: vLLM's ``stream_options.continuous_usage_stats``, every chunk
-    carries the usage so far. ``stop_ids``: the request's stop_token_ids, whose text is
-    not part of the output (as vLLM)."""
-    # The first call reads a file: off the event loop, while the stream is already read.
-    loading = asyncio.ensure_future(run_in_threadpool(detok.tokenizer))
-    text = _Choices(loading, n_choices, stops, frozenset(stop_ids), chunk, continuous_usage)
+    carries the usage so far. ``stop_ids``: the request's stop_token_ids; they and the
+    model's EOS ids (unless ``ignore_eos``) end the output, without their text (as vLLM). ``opts``: the request's detokenizing options."""
+    # The first call reads files: off the event loop, while the stream is already read.
+    loading = asyncio.ensure_future(run_in_threadpool(lambda: (detok.tokenizer(), [] if ignore_eos else detok.eos_ids())))
+    text = _Choices(loading, n_choices, stops, frozenset(stop_ids), chunk, continuous_usage, opts or Detokenizing())
     last = "0-0"
     for obj in first:
         yield sse(obj)

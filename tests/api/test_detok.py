@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import random
 
-from api.detok import Detokenizer, IncrementalText
+from api.detok import Detokenizer
 from api.openai.sse import _Choice
+from llmpipe.messages import Detokenizing
+from llmpipe.processors.detokenize import IncrementalDetokenizer
 
 
 def test_streamed_deltas_complete_to_the_full_decode(tiny_model):
@@ -15,7 +17,7 @@ def test_streamed_deltas_complete_to_the_full_decode(tiny_model):
     vocab = tok.get_vocab_size()
     for _ in range(200):
         ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
-        c = _Choice(IncrementalText(tok), stops=[])
+        c = _Choice(IncrementalDetokenizer(tok, [], []))
         sent = ""
         pos = 0
         while pos < len(ids):  # in chunks of 1-4 ids, as stream entries arrive
@@ -43,7 +45,7 @@ def test_streamed_text_is_the_beginning_of_postprocess_text(tiny_model, tiny_tok
             stop_ids = {ids[-1]}
             ids = [i for i in ids[:-1] if i != ids[-1]] + [ids[-1]]
         final = detokenize(tiny_tokenizer, ids, prompt_tail=tail, stop=[], stopped_by_token=bool(stop_ids)).text
-        c = _Choice(IncrementalText(tok, tail, stop_ids), stops=[])
+        c = _Choice(IncrementalDetokenizer(tok, tail, []), frozenset(stop_ids))
         sent, pos = "", 0
         while pos < len(ids):
             n = rng.randint(1, 4)

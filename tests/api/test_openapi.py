@@ -37,13 +37,19 @@ def test_the_schema_states_the_limits_of_the_settings(client):
     assert s["JobPrompt"]["properties"]["prompt"] == {"maxLength": 50, "minLength": 1, "title": "Prompt", "type": "string"}
     prompts = s["JobPrompts"]["properties"]["prompts"]
     assert prompts["maxItems"] == 4 and prompts["items"]["maxLength"] == 50 and prompts["items"]["minLength"] == 1
-    assert s["JobMessage"]["properties"]["content"]["maxLength"] == 50
+    assert _nullable(s["JobMessage"]["properties"]["content"])["maxLength"] == 50  # null: an assistant turn of tool calls
     comp = s["CompletionRequest"]["properties"]
     assert comp["n"]["maximum"] == 3 and _nullable(comp["max_tokens"])["maximum"] == 100
     assert _nullable(comp["logprobs"])["maximum"] == 5 and _nullable(comp["logprobs"])["minimum"] == 0
     chat = s["ChatCompletionRequest"]["properties"]
     assert _nullable(chat["max_completion_tokens"])["maximum"] == 100 and _nullable(chat["top_logprobs"])["maximum"] == 5
-    assert comp["top_k"]["enum"] == [None, 0, -1]  # a field llmpipe refuses unless it asks for nothing
+    assert comp["use_beam_search"]["enum"] == [None, False]  # a field llmpipe refuses unless it asks for nothing
+    # vLLM's sampling fields, with their limits (api/openai/sampling.py checks them with vLLM's messages)
+    assert comp["presence_penalty"]["minimum"] == -2 and comp["presence_penalty"]["maximum"] == 2
+    assert comp["top_k"]["minimum"] == -1 and comp["min_p"]["maximum"] == 1 and comp["min_tokens"]["minimum"] == 0
+    assert _nullable(comp["truncate_prompt_tokens"])["minimum"] == -1
+    assert {"structured_outputs", "guided_json", "bad_words", "allowed_token_ids", "logit_bias"} <= comp.keys()
+    assert {"tools", "tool_choice", "chat_template_kwargs", "continue_final_message", "documents"} <= chat.keys()
 
 
 def test_each_app_validates_and_documents_its_own_limits(client, redis_url, tmp_path):

@@ -141,9 +141,16 @@ def test_probes_need_no_key_but_tokenize_does(make_client):
     assert c.post("/detokenize", json={"tokens": [1]}, headers={"Authorization": "Bearer k1"}).status_code == 200
 
 
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
 @pytest.mark.parametrize("path,body,param", [
-    ("/v1/completions", {"prompt": "x", "top_k": 5}, "top_k"),
-    ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "top_k": -2}, "top_k"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "min_tokens": 20, "max_tokens": 4}, "min_tokens"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "a", "structured_outputs": {"regex": "b"}}, "guided_regex"),
     ("/v1/completions", {"prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"prompt": "x", "logprobs": 2, "stream": True}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
@@ -157,8 +164,16 @@ def test_probes_need_no_key_but_tokenize_does(make_client):
     ("/v1/completions", {"prompt": "x", "max_tokens": 0, "echo": True, "stream": True}, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "return_token_ids": True, "stream": True}, "return_token_ids"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+     "tools.0.function"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": []}, "tools"),
+    # auto needs the model's tool parser (vLLM's --enable-auto-tool-choice --tool-call-parser); none is set here
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL]}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL],
+                              "tool_choice": {"type": "function", "function": {"name": "other"}}}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"},
+     "chat_template"),
 ])
 def test_fields_it_cannot_honour_are_400_naming_the_field(client, redis_client, path, body, param):
     r = client.post(path, json=body)
