@@ -69,5 +69,17 @@ def duration_s(value) -> float:
     return sum(float(n) * units[u] for n, u in parts)
 
 
+def default_of(value: str) -> str:
+    """The value Compose takes for ``${VAR:-default}`` when VAR is unset (``value`` as is
+    when it names no variable)."""
+    m = re.fullmatch(r"\$\{(\w+):?-([^}]*)\}", str(value))
+    return m.group(2) if m else str(value)
+
+
+def variable_of(value: str) -> str | None:
+    m = re.fullmatch(r"\$\{(\w+)(?::?[-?][^}]*)?\}", str(value))
+    return m.group(1) if m else None
+
+
 def uid(user: str) -> str:
     return str(user).split(":", 1)[0].strip()

@@ -26,10 +26,12 @@ from tests.deploy.compose_spec import (
     ROOT,
     SCHEMA_FILE,
     command_of,
+    default_of,
     depends_on,
     duration_s,
     llmpipe_services,
     uid,
+    variable_of,
     volume_mounts,
     workers_of,
 )
@@ -112,14 +114,15 @@ def test_no_container_names_anywhere(services):
 
 def test_redis_is_internal_durable_and_healthchecked(compose, services):
     redis = services["redis"]
-    assert str(redis["image"]).split(":")[0] == "redis"
-    assert str(redis["image"]).split(":")[1].startswith("7")
+    assert default_of(redis["image"]).split(":")[0] == "redis"
+    assert default_of(redis["image"]).split(":")[1].startswith("7")
     assert "ports" not in redis, "Redis has no auth: it must not be published"
     assert "network_mode" not in redis
 
     cmd = " ".join(command_of(redis))
     assert re.search(r"--appendonly\s+yes\b", cmd), cmd
     assert re.search(r"--appendfsync\s+everysec\b", cmd), cmd
+    assert re.search(r"--dir\s+/data\b", cmd), cmd  # the AOF lives on the volume, whatever the image's workdir
 
     mounts = volume_mounts(redis)
     assert mounts.get("redis-data") == "/data"
@@ -230,7 +233,7 @@ RABBITMQ_CONF = ROOT / "docker" / "rabbitmq" / "rabbitmq.conf"
 
 def test_rabbitmq_is_internal_durable_and_healthchecked(compose, services):
     mq = services["rabbitmq"]
-    assert str(mq["image"]).split(":")[0] == "rabbitmq"
+    assert default_of(mq["image"]).split(":")[0] == "rabbitmq"
     assert "ports" not in mq, "the broker stays on the compose network"
     assert volume_mounts(mq).get("rabbitmq-data") == "/var/lib/rabbitmq" and "rabbitmq-data" in compose["volumes"]
     assert mq.get("hostname"), "RabbitMQ names its data directory after the node: the hostname must not change"
@@ -324,6 +327,35 @@ def test_build_sections_point_at_existing_files(services):
         assert context.is_dir(), name
         assert (context / build.get("dockerfile", "Dockerfile")).is_file(), name
 
+
+
+# Every image the file names is a variable whose default is the public one, so that a
+# machine with no registry can run local stand-ins (scripts/compose-images.sh).
+PUBLIC_IMAGES = {"redis": ("REDIS_IMAGE", "redis:7"), "rabbitmq": ("RABBITMQ_IMAGE", "rabbitmq:4.1-management"),
+                 "api": ("LLMPIPE_CPU_IMAGE", "llmpipe:cpu"), GPU_WORKER: ("LLMPIPE_GPU_IMAGE", "llmpipe:gpu")}
+# The bases the Dockerfiles build on: build arguments the file passes from the environment.
+BASE_ARGS = {"docker/Dockerfile": ["PYTHON_IMAGE", "TORCH_INDEX_URL"], "docker/Dockerfile.gpu": ["VLLM_IMAGE", "VLLM_EXTRA"]}
+
+
+def test_every_image_is_a_variable_with_the_public_default(services):
+    for name, (var, public) in PUBLIC_IMAGES.items():
+        image = services[name]["image"]
+        assert (variable_of(image), default_of(image)) == (var, public), name
+    for name, svc in services.items():
+        assert variable_of(svc.get("image", "${X}")), f"{name}: image {svc.get('image')!r} is not a variable"
+        if "build" in svc:
+            # no value: the environment's when set, else the Dockerfile's own default
+            assert svc["build"].get("args") == BASE_ARGS[svc["build"]["dockerfile"]], name
+
+
+def test_inference_workers_keep_the_compile_cache_on_a_volume(compose, services):
+    text = (ROOT / "docker" / "Dockerfile").read_text() + (ROOT / "docker" / "Dockerfile.gpu").read_text()
+    roots = set(re.findall(r"(?:VLLM_CACHE_ROOT|TORCHINDUCTOR_CACHE_DIR)=(\S+)", text))
+    assert len(roots) == 2, roots  # one pair of paths, the same in both images
+    assert "vllm-cache" in compose["volumes"]
+    for name in (*GPU_WORKERS.values(), *CPU_INFERENCE_WORKERS.values()):
+        target = volume_mounts(services[name]).get("vllm-cache")
+        assert target and all(r.startswith(target.rstrip("/") + "/") for r in roots), (name, target)
 
 
 def test_two_models_each_with_its_own_inference_worker_per_profile(services):

@@ -32,7 +32,7 @@ _BROKEN_COMPOSE = "services:\n  x:\n    image: busybox\n    not_a_compose_key: t
 def _probe(cmd: list[str], tmp: Path) -> bool:
     """True when `cmd` is a working Compose v2 CLI that reports invalid files."""
     try:
-        ver = subprocess.run([*cmd, "version"], capture_output=True, text=True, timeout=60)
+        ver = subprocess.run([*cmd, "version"], capture_output=True, text=True, timeout=60, check=False)
     except (OSError, subprocess.SubprocessError):
         return False
     m = re.search(r"version v?(\d+)\.", ver.stdout + ver.stderr)
@@ -42,7 +42,7 @@ def _probe(cmd: list[str], tmp: Path) -> bool:
     broken.write_text(_BROKEN_COMPOSE)
     # Some wrappers swallow the exit status: such a CLI proves nothing.
     bad = subprocess.run([*cmd, "-f", str(broken), "config", "-q"], capture_output=True, text=True,
-                         timeout=60, env=_clean_env(), cwd=tmp)
+                         timeout=60, env=_clean_env(), cwd=tmp, check=False)
     return bad.returncode != 0
 
 
@@ -93,7 +93,7 @@ def _run(cli, env_file, *args, env_extra=None):
     env.update(env_extra if env_extra is not None else {"FLOWER_PASSWORD": "test-password"})
     return subprocess.run(
         [*cli, "--project-directory", str(ROOT), "-f", str(COMPOSE_FILE), "--env-file", str(env_file), *args],
-        capture_output=True, text=True, timeout=120, env=env, cwd=ROOT,
+        capture_output=True, text=True, timeout=120, env=env, cwd=ROOT, check=False,
     )
 
 

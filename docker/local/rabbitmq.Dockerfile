@@ -1,0 +1,18 @@
+# Stand-in for rabbitmq:4.1-management, built by scripts/compose-images.sh from
+# Debian trixie's rabbitmq-server (4.0) with the management plugin enabled. Like
+# the official image: data in /var/lib/rabbitmq (the `rabbitmq-data` volume takes
+# its ownership), logs to stdout, run as the `rabbitmq` user; RABBITMQ_DEFAULT_USER
+# and RABBITMQ_DEFAULT_PASS are read by the server itself.
+ARG BASE_IMAGE=llmpipe-local/debian:trixie
+FROM ${BASE_IMAGE}
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends rabbitmq-server \
+ && rm -rf /var/lib/apt/lists/* \
+ && rabbitmq-plugins enable --offline rabbitmq_management \
+ && mkdir -p /etc/rabbitmq/conf.d \
+ && chown -R rabbitmq:rabbitmq /var/lib/rabbitmq /etc/rabbitmq
+ENV RABBITMQ_LOGS=-
+USER rabbitmq
+EXPOSE 5672 15672
+CMD ["rabbitmq-server"]
