@@ -2,9 +2,11 @@
 be imported).
 
 - ``plugin``: the pytest plugin (tests/conftest.py loads it): the session's Redis, the tiny
-  models, the brokers and the each_broker rule, the reliability table.
+  models, the brokers and the each_broker rule, ``borrow``, the reliability table.
 - ``engine``: the engine every test stack runs (float32, eager) and vLLM's CPU environment.
-- ``stacks``: a LocalPipeline on the tests' settings (``start_pipeline``), ``teardown``.
+- ``stacks``: a LocalPipeline on the tests' settings (``start_pipeline``), ``teardown``, and
+  ``SharedPipeline``, one that the modules asking for the same engine and broker borrow.
+- ``shared``: the session's pool of shared stacks and ``@lends``, which says when each stops.
 - ``pipe``: ``Pipe``, a pipeline on its own Redis with the levers the reliability tests pull.
 - ``up``: ``llmpipe up`` as a user runs it (``Up``, ``UpPipe``) and the job helpers on it.
 - ``celery_cli``: ``PlainCelery``, stages started with Celery's own commands.

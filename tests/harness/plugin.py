@@ -1,5 +1,6 @@
 """The tests' pytest plugin (loaded by tests/conftest.py): the session's Redis, the tiny
-models, the brokers, the each_broker rule and the reliability table. Stacks: tests/harness/stacks.py."""
+models, the brokers, the each_broker rule, the shared stacks' lifetimes and the reliability
+table. Stacks: tests/harness/stacks.py and shared.py."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ import redis
 from llmpipe.local.redis_server import EmbeddedRedis
 from tests.harness import rows
 from tests.harness.brokers import AMQP_URL, TEST_BROKERS, check_rabbitmq, delete_vhost, make_vhost, reset_broker_queues
-from tests.harness.engine import apply_test_env
-
-apply_test_env()
+from tests.harness.shared import POOL, last_users
+from tests.harness.stacks import borrow_pipeline
 
 MODEL_CACHE = Path(os.environ.get("LLMPIPE_TEST_CACHE", Path.home() / ".cache" / "llmpipe-test"))
 
@@ -107,6 +107,36 @@ def broker_url(request, broker) -> str | None:
     url = request.getfixturevalue("rabbitmq_url")
     reset_broker_queues(url)
     return url
+
+
+# -- shared stacks (tests/harness/shared.py) -------------------------------------------------
+def pytest_collection_finish(session):
+    POOL.last = last_users(session.items)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    POOL.done_with(item.nodeid)
+
+
+@pytest.fixture(scope="session")
+def shared_stacks():
+    """The session's pool of shared stacks (tests/harness/shared.py); stops what is left at the end."""
+    yield POOL
+    POOL.close()
+
+
+@pytest.fixture(scope="session")
+def borrow(shared_stacks, tmp_path_factory, tiny_model):
+    """``borrow(engine, broker_url=None, **api_settings)``: the shared pipeline of that engine
+    and broker on the tiny model, reset and lent to the calling module (stacks.borrow_pipeline).
+    Its fixture is marked ``@lends(lambda params: pipeline_key(engine, broker))``."""
+    def lend(engine: str, *, broker_url: str | None = None, **api_settings):
+        return borrow_pipeline(shared_stacks, tmp_path_factory, tiny_model, engine, broker_url=broker_url,
+                               **api_settings)
+
+    return lend
 
 
 # -- the reliability table (tests/harness/rows.py) -------------------------------------------

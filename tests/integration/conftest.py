@@ -1,5 +1,7 @@
 """Real pipelines for integration tests: real Redis, real Celery worker processes, a real
-engine on the tiny model, the API under uvicorn, and Flower (tests/harness/stacks.py)."""
+engine on the tiny model, the API under uvicorn, and Flower (tests/harness/stacks.py).
+``pipeline`` and ``secured_pipeline`` are shared stacks (tests/harness/shared.py): the
+modules that use the same engine and broker borrow one pipeline in turn."""
 
 from __future__ import annotations
 
@@ -7,10 +9,11 @@ import pytest
 import redis
 
 from llmpipe.testing import faulty
-from tests.harness.brokers import TEST_BROKERS, reset_broker_queues
+from tests.harness.brokers import TEST_BROKERS
 from tests.harness.celery_cli import PlainCelery
 from tests.harness.faults import API_FAULTS
-from tests.harness.stacks import start_pipeline, teardown
+from tests.harness.shared import lends
+from tests.harness.stacks import pipeline_key, start_pipeline, teardown
 
 
 @pytest.fixture(scope="session")
@@ -25,30 +28,21 @@ PIPELINES = [p for p in (("vllm", "redis"), ("transformers", "redis"), ("vllm", 
 
 
 @pytest.fixture(scope="module", params=PIPELINES, ids=lambda p: p[0] if p[1] == "redis" else "-".join(p))
-def pipeline(request, tmp_path_factory, redis_server, tiny_model):
+@lends(lambda params: pipeline_key(*params["pipeline"]))
+def pipeline(request, borrow):
+    """The shared pipeline of each (engine, broker), on the shipped API settings."""
     engine, broker = request.param
-    broker_url = None
-    if broker == "rabbitmq":
-        broker_url = request.getfixturevalue("rabbitmq_url")
-        reset_broker_queues(broker_url)
-    redis.Redis.from_url(redis_server.url).flushdb()
-    p = start_pipeline(tmp_path_factory.mktemp(f"pipe-{engine}-{broker}"), redis_server.url, tiny_model, engine,
-                       broker_url=broker_url)
-    yield p
-    teardown(p)
+    return borrow(engine, broker_url=request.getfixturevalue("rabbitmq_url") if broker == "rabbitmq" else None)
 
 
 API_KEY = "test-key-1"
 
 
 @pytest.fixture(scope="module")
-def secured_pipeline(tmp_path_factory, redis_server, tiny_model):
-    """vLLM on the tiny model, behind API keys."""
-    redis.Redis.from_url(redis_server.url).flushdb()
-    p = start_pipeline(tmp_path_factory.mktemp("pipe-secured"), redis_server.url, tiny_model, "vllm",
-                       api_keys=f"{API_KEY},other-key")
-    yield p
-    teardown(p)
+@lends(lambda params: pipeline_key("vllm", "redis"))
+def secured_pipeline(borrow):
+    """The shared vLLM pipeline on Redis, its API behind API keys."""
+    return borrow("vllm", api_keys=f"{API_KEY},other-key")
 
 
 @pytest.fixture(scope="session")

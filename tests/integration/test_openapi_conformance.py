@@ -2,7 +2,7 @@
 the live API with workers and vLLM on the tiny model, finds no difference (issue 17).
 
 All of schemathesis' checks run (``--checks all``, stateful links included), with two
-settings, each with its reason next to it in ``CONFIG``/``ARGS``. The stack runs with small
+settings, each with its reason next to it in ``CONFIG``/``ARGS``. The API runs with small
 limits, which the schema then states (they are read from the settings when the app is
 built): each generated request stays cheap on a CPU, and a prompt can never outgrow the
 tiny model's 2048-token context, a limit in tokens that no schema of characters can state.
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.stacks import teardown
+from tests.harness.shared import lends
+from tests.harness.stacks import pipeline_key
 
 pytestmark = pytest.mark.integration
 
@@ -47,19 +48,12 @@ expected-statuses = ["2xx", "3xx", "4xx", "504"]
 
 
 @pytest.fixture(scope="module")
-def conformance_pipeline(pipeline_starter, tmp_path_factory, redis_server, tiny_model):
-    import redis
-
-    redis.Redis.from_url(redis_server.url).flushdb()
-    p = pipeline_starter(tmp_path_factory.mktemp("pipe-openapi"), redis_server.url, tiny_model, "vllm",
-                         flower=False, **LIMITS)
-    try:
-        _warm(p.api_url)
-    except BaseException:
-        teardown(p)  # else its workers outlive the module and take the next modules' tasks
-        raise
-    yield p
-    teardown(p)
+@lends(lambda params: pipeline_key("vllm", "redis"))
+def conformance_pipeline(borrow):
+    """The shared vLLM pipeline on Redis, its API on LIMITS, warmed up."""
+    p = borrow("vllm", **LIMITS)
+    _warm(p.api_url)
+    return p
 
 
 def _warm(url: str, within_s: float = 240.0) -> None:

@@ -9,6 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from tests.harness.shared import lends
+
 pytestmark = pytest.mark.integration
 
 
@@ -32,13 +34,15 @@ def run_job(url: str, body: dict, timeout: float = 120.0) -> dict:
 
 
 @pytest.fixture(scope="module")
-def direct_engine(pipeline, tiny_model):
-    """The same engine kind, called directly in this process."""
+@lends(lambda params: ("direct engine", params["pipeline"][0]))
+def direct_engine(pipeline, tiny_model, shared_stacks):
+    """The same engine kind, called directly in this process (one per engine kind: the
+    pipelines of one engine on either broker have the same engine settings)."""
     from llmpipe.engines.factory import create_engine
 
-    engine = create_engine(pipeline.s.model_copy(update={"max_batch_size": 8}), tiny_model)
-    yield engine
-    engine.shutdown()
+    return shared_stacks.get(("direct engine", pipeline.s.engine.value),
+                             lambda: create_engine(pipeline.s.model_copy(update={"max_batch_size": 8}), tiny_model),
+                             lambda engine: engine.shutdown())
 
 
 PROMPTS = [
