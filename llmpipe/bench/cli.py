@@ -47,7 +47,9 @@ def _kind(value: str) -> str:
 @click.option("--engine", "engines", default="all", show_default=True,
               help="real, simulated, noop, or all (comma-separated list allowed).")
 @click.option("--modes", callback=_csv(str), help=f"Comma-separated subset of: {', '.join(MODES)} (default: per "
-              "engine); or scaling, alone; or priority, alone (lanes: a batch backlog, interactive at 1 req/s).")
+              "engine); or scaling, alone; or priority, alone (lanes: a batch backlog, interactive at 1 req/s); or "
+              "multiworker, alone (prefix-aware routing against the shared queue, and failover; "
+              "python -m llmpipe.bench.multiworker --help for its own options).")
 @click.option("--concurrency", callback=_csv(int), help="Closed loop: comma-separated client counts (default: per engine).")
 @click.option("--rate", callback=_csv(float), help="Open loop instead: comma-separated Poisson arrival rates (req/s).")
 @click.option("--requests", type=int, help="Requests per load point and request kind (default: per engine and mode).")
@@ -96,7 +98,7 @@ def bench(ctx, **kw):
     why = missing()
     if why:
         console.print(f"[yellow]{why}[/]")
-    for alone in ("scaling", "priority"):
+    for alone in ("scaling", "priority", "multiworker"):
         if a.modes and alone in a.modes and (a.modes != [alone] or a.rate):
             raise click.BadParameter(f"{alone} runs alone (no other mode, no --rate)", param_hint="--modes")
     if a.modes == ["scaling"]:
@@ -107,6 +109,12 @@ def bench(ctx, **kw):
         sys.exit(bench_scaling({renames.get(k, k): v for k, v in given.items()}, console))
     if a.modes == ["priority"]:
         sys.exit(_priority(a, console))
+    if a.modes == ["multiworker"]:
+        from llmpipe.bench.multiworker import MultiOptions, quick, run_multiworker
+
+        o = MultiOptions(model=a.model or "smollm2", workers=(a.workers or [2])[0], requests=a.requests or 240,
+                         concurrency=(a.concurrency or [16])[0], max_tokens=a.max_tokens or 32)
+        sys.exit(run_multiworker(quick(o) if a.quick else o, a.out / "multiworker", console))
     sys.exit(_run(a, console))
 
 
