@@ -14,6 +14,11 @@ from starlette.concurrency import run_in_threadpool
 
 import celeryconfig
 from api import errors
+from api.batches.feeder import FeedEnv
+from api.batches.metrics import BatchesCollector
+from api.batches.router import router as batches_router
+from api.batches.runner import BatchRunner, executor, io_on
+from api.batches.service import BatchAPI
 from api.detok import Detokenizers
 from api.jobs.protocol import UNION_TAGS
 from api.jobs.router import router as jobs_router
@@ -26,6 +31,9 @@ from api.security import BodyLimit
 from api.validation import Limits, bind, prepared_model_path
 from api.vllm.router import router as vllm_router
 from api.waiter import JobWaiter
+from llmpipe.batches.files import FileStore
+from llmpipe.batches.lease import BatchLeases
+from llmpipe.batches.records import BatchStore
 from llmpipe.broker.polling_backend import polling_backend_url
 from llmpipe.broker.queue_depth import depth_reader
 from llmpipe.broker.redis_clients import afrom_settings, fail_fast_retry, from_settings
@@ -39,7 +47,9 @@ from llmpipe.settings import Settings, get_settings
 
 # Every surface, in the order of the OpenAPI document. Each router names its own API-key
 # dependency; vLLM's probes (/health, /ping, /version) and /healthz need none.
-ROUTERS = (jobs_router, openai_router, ops_router, vllm_router)
+ROUTERS = (jobs_router, openai_router, batches_router, ops_router, vllm_router)
+
+UPLOAD_FORM_BYTES = 1 << 20  # an upload's form fields and part headers, around its file
 
 _DESCRIPTION = (
     "LLM serving on a Celery pipeline: preprocess (CPU) -> batched inference -> postprocess (CPU). "
@@ -72,11 +82,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   responses=errors.responses(401, 403, 413, 422, 503))
     _add_state(app, settings)
     errors.install(app, union_tags=UNION_TAGS)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    # An upload's own limit: its file is checked against batch_max_file_bytes as it streams
+    # in (api/batches/upload.py); the form around it is small.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes,
+                       paths={"/v1/files": (settings.batch_max_file_bytes + UPLOAD_FORM_BYTES, "batch_max_file_bytes")})
     # The limits of these settings validate every request and appear in /openapi.json.
-    bind(app, Limits.from_settings(settings, model_paths=[lambda src=m.source: prepared_model_path(settings, src)
-                                                          for m in settings.served.models]),
-         post_process=lambda spec: document_errors(app, spec))
+    bind(app, app.state.limits, post_process=lambda spec: document_errors(app, spec))
     app.add_middleware(MethodsAllowed, routes_of=lambda: app.routes)
     for router in ROUTERS:
         app.include_router(router)
@@ -101,7 +112,22 @@ def _add_state(app: FastAPI, settings: Settings) -> None:
     st.jobs = JobService(celery, JobStore(r, settings.result_ttl_s), settings, st.admission, st.detok)
     st.waiter = JobWaiter(settings.redis_url, master_name=settings.redis_sentinel_master)
     st.deadletters = DeadLetters(r, ttl_s=settings.deadletter_ttl_s, max_entries=settings.deadletter_max_entries)
-    st.registries = build_registries(depths, r, st.served)
+    st.limits = Limits.from_settings(settings, model_paths=[lambda src=m.source: prepared_model_path(settings, src)
+                                                            for m in settings.served.models])
+    _add_batches(st, settings)
+    st.registries = build_registries(depths, r, st.served, extra=(BatchesCollector(st.batches),))
+
+
+def _add_batches(st, settings: Settings) -> None:
+    """The Batch API's stores and service, and what this process's batch runner feeds with
+    (started in the lifespan); its blocking work has threads of its own."""
+    st.batch_pool = executor()
+    io = io_on(st.batch_pool)
+    st.files = FileStore(st.redis, settings.batch_dir, retention_s=settings.batch_retention_s)
+    st.batches = BatchStore(st.redis, retention_s=settings.batch_retention_s)
+    st.batch_api = BatchAPI(st.files, st.batches, settings, io)
+    st.feed_env = FeedEnv(st.jobs, st.waiter, settings, st.detok, st.limits, st.batches, st.files,
+                          BatchLeases(st.redis, ttl_s=settings.batch_lease_ttl_s), io)
 
 
 async def _sample_drain(admission: Admission) -> None:
@@ -116,8 +142,14 @@ async def _sample_drain(admission: Admission) -> None:
 async def _lifespan(app: FastAPI):
     st = app.state
     task = asyncio.create_task(_sample_drain(st.admission))
+    runner = BatchRunner(st.feed_env, scan_s=st.settings.batch_scan_interval_s).start() \
+        if st.settings.batch_feeder else None
+    st.batch_runner = runner
     yield
     task.cancel()
+    if runner is not None:
+        await runner.close()
+    st.batch_pool.shutdown(wait=False, cancel_futures=True)
     await st.waiter.close()
     await st.aredis.aclose()
     st.depths.close()

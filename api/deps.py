@@ -15,6 +15,7 @@ from celery import Celery
 from fastapi import Depends, Request
 from prometheus_client import CollectorRegistry
 
+from api.batches.service import BatchAPI
 from api.detok import Detokenizers
 from api.jobs.service import JobService
 from api.openai.service import OpenAIServing
@@ -77,6 +78,11 @@ async def get_openai(request: Request) -> OpenAIServing:
     return OpenAIServing(st.jobs, st.waiter, st.settings, st.detok, st.aredis)
 
 
+async def get_batches(request: Request) -> BatchAPI:
+    """The Files and Batches endpoints' service (api/batches/service.py)."""
+    return request.app.state.batch_api
+
+
 AppSettings = Annotated[Settings, Depends(get_settings)]
 Served = Annotated[ModelSet, Depends(get_served)]
 ApiKeys = Annotated[frozenset[str], Depends(get_api_keys)]
@@ -89,3 +95,4 @@ CeleryApp = Annotated[Celery, Depends(get_celery)]
 DeadLetterLog = Annotated[DeadLetters, Depends(get_deadletters)]
 Registries = Annotated[list[CollectorRegistry], Depends(get_registries)]
 OpenAI = Annotated[OpenAIServing, Depends(get_openai)]
+Batches = Annotated[BatchAPI, Depends(get_batches)]

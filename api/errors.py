@@ -20,11 +20,11 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from kombu.exceptions import OperationalError
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from api.disconnect import ClientGone
-from llmpipe.errors import LlmpipeError, NoLiveWorkerError, OverloadedError
+from llmpipe.errors import LimitExceededError, LlmpipeError, NoLiveWorkerError, OverloadedError
 from llmpipe.messages import ErrorReason
 
 log = logging.getLogger("llmpipe.api")
@@ -64,12 +64,13 @@ ERROR_TABLE: tuple[HttpError, ...] = (
     HttpError(400, ErrorReason.LIMIT_EXCEEDED, False, "A server limit was exceeded; the message names it"),
     HttpError(401, ErrorReason.UNAUTHORIZED, False, "Missing API key"),
     HttpError(403, ErrorReason.FORBIDDEN, False, "Wrong API key"),
-    HttpError(404, ErrorReason.NOT_FOUND, False, "Unknown job"),
+    HttpError(404, ErrorReason.NOT_FOUND, False, "Unknown job, file or batch"),
     HttpError(404, ErrorReason.MODEL_NOT_FOUND, False, "The request's model is not served here (GET /v1/models lists them)"),
     HttpError(409, ErrorReason.CANCELLED, False, "The job was cancelled (or deleted) before it finished"),
     HttpError(409, ErrorReason.IDEMPOTENCY_KEY_IN_USE, True,
               "The first request with this Idempotency-Key is still being admitted; retry after Retry-After"),
-    HttpError(413, ErrorReason.LIMIT_EXCEEDED, False, "Body too large (max_body_bytes)"),
+    HttpError(413, ErrorReason.LIMIT_EXCEEDED, False,
+              "Body too large (max_body_bytes; an upload to /v1/files: batch_max_file_bytes)"),
     HttpError(422, ErrorReason.INVALID_REQUEST, False, "Body failed validation (job API); the message names the field"),
     HttpError(422, ErrorReason.IDEMPOTENCY_KEY_REUSED, False, "This Idempotency-Key was used with a different body"),
     HttpError(424, ErrorReason.ENGINE_ERROR, False,
@@ -87,12 +88,31 @@ for _row in ERROR_TABLE:
     _BY_REASON.setdefault(_row.reason, _row)
 VALIDATION = next(r for r in ERROR_TABLE if r.status == 422 and r.reason is ErrorReason.INVALID_REQUEST)
 VALIDATION_OPENAI = next(r for r in ERROR_TABLE if r.status == 400 and r.reason is ErrorReason.INVALID_REQUEST)
-OPENAI_STYLE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"})
+OPENAI_STYLE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/files",
+                                "/v1/batches"})
 BODY_TOO_LARGE = next(r for r in ERROR_TABLE if r.status == 413)
 
 
-def mapping_for(reason: ErrorReason) -> HttpError:
+class PayloadTooLargeError(LimitExceededError):
+    """A body over its limit, found past the edge (an upload as it streams, a batch line):
+    the table's 413 row, as the edge answers it."""
+
+    status = 413
+
+
+def mapping_for(reason: ErrorReason, status: int | None = None) -> HttpError:
+    """The reason's row: its first, or its row of ``status`` (an error raised with the edge's
+    own status, such as 413 for an upload over its limit)."""
+    if status is not None:
+        for row in ERROR_TABLE:
+            if row.reason is reason and row.status == status:
+                return row
     return _BY_REASON.get(reason, _BY_REASON[ErrorReason.INTERNAL])
+
+
+def row_of(exc: LlmpipeError) -> HttpError:
+    """The row an error is answered with (its ``status`` attribute picks among its reason's rows)."""
+    return mapping_for(exc.reason, getattr(exc, "status", None))
 
 
 def _describe(status: int) -> dict:
@@ -108,13 +128,43 @@ def responses(*statuses: int) -> dict[int, dict]:
     return {s: {"model": ErrorResponse, **ERROR_RESPONSES[s]} for s in statuses}
 
 
+def error_body(status: int, reason: ErrorReason, message: str, param: str | None = None, **extra) -> dict:
+    """The body of an error answer. "code": the HTTP status, as vLLM's error body carries it."""
+    return {"error": {"type": reason.value, "message": message, "param": param, "code": status, **extra}}
+
+
 def error_json(status: int, reason: ErrorReason, message: str, param: str | None = None,
                headers: dict[str, str] | None = None, *, retry: bool | None = None, **extra) -> JSONResponse:
-    # "code": the HTTP status, as vLLM's error body carries it.
-    body = {"type": reason.value, "message": message, "param": param, "code": status, **extra}
     if retry is None:
         retry = mapping_for(reason).retry
-    return JSONResponse({"error": body}, status_code=status, headers={**(headers or {}), RETRY_HEADER: str(retry).lower()})
+    return JSONResponse(error_body(status, reason, message, param, **extra), status_code=status,
+                        headers={**(headers or {}), RETRY_HEADER: str(retry).lower()})
+
+
+def answer_of(exc: Exception, path: str, union_tags: frozenset[str] = frozenset()) -> tuple[int, dict]:
+    """(status, body) that a request to ``path`` failing with ``exc`` is answered with: a
+    typed error's row, a body that failed validation as the path answers it, else 500. The
+    Batch API writes a failed line's answer with it, so the line says what the endpoint would."""
+    if isinstance(exc, LlmpipeError):
+        row = row_of(exc)
+        return row.status, error_body(row.status, exc.reason, exc.message, exc.param)
+    if isinstance(exc, (RequestValidationError, ValidationError)):
+        message, param = validation_message(exc.errors(), union_tags)
+        row = VALIDATION_OPENAI if path in OPENAI_STYLE_PATHS else VALIDATION
+        return row.status, error_body(row.status, row.reason, message, param)
+    return 500, error_body(500, ErrorReason.INTERNAL, f"internal error: {type(exc).__name__}")
+
+
+def validation_message(errs, union_tags: frozenset[str] = frozenset()) -> tuple[str, str | None]:
+    """A validation error's message (its first five errors) and the field it names first."""
+    parts = []
+    param = None
+    for e in list(errs)[:5]:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body" and x not in union_tags]
+        where = ".".join(loc) or "body"
+        param = param or where
+        parts.append(f"{where}: {e.get('msg')}")
+    return "; ".join(parts) or "invalid request", param
 
 
 def error_event(reason: ErrorReason, message: str, param: str | None = None) -> dict:
@@ -137,7 +187,7 @@ def install(app: FastAPI, *, union_tags: frozenset[str] = frozenset()) -> None:
 
     @app.exception_handler(LlmpipeError)
     async def _llmpipe(_: Request, exc: LlmpipeError):
-        row = mapping_for(exc.reason)
+        row = row_of(exc)
         headers = {}
         extra = {}
         if isinstance(exc, OverloadedError):
@@ -151,16 +201,9 @@ def install(app: FastAPI, *, union_tags: frozenset[str] = frozenset()) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        parts = []
-        param = None
-        for e in errs[:5]:
-            loc = [str(x) for x in e.get("loc", ()) if x != "body" and x not in union_tags]
-            where = ".".join(loc) or "body"
-            param = param or where
-            parts.append(f"{where}: {e.get('msg')}")
+        message, param = validation_message(exc.errors(), union_tags)
         row = VALIDATION_OPENAI if request.url.path in OPENAI_STYLE_PATHS else VALIDATION
-        return error_json(row.status, row.reason, "; ".join(parts) or "invalid request", param)
+        return error_json(row.status, row.reason, message, param)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):

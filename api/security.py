@@ -32,18 +32,22 @@ require_key.llmpipe_api_key = True  # api/openapi.py documents 401 and 403 on th
 
 
 class BodyLimit:
-    """Rejects bodies over ``max_bytes`` with 413, by Content-Length or while streaming."""
+    """Rejects bodies over ``max_bytes`` with 413, by Content-Length or while streaming.
+    ``paths``: a path's own (limit, setting), for an upload (``/v1/files``), whose route checks
+    its file against its setting as it streams in."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    def __init__(self, app: ASGIApp, max_bytes: int, paths: dict[str, tuple[int, str]] | None = None):
         self.app = app
         self.max_bytes = max_bytes
+        self.paths = paths or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit, setting = self.paths.get(scope.get("path", ""), (self.max_bytes, "max_body_bytes"))
         for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                return await self._reject(scope, receive, send)
+            if name == b"content-length" and value.isdigit() and int(value) > limit:
+                return await self._reject(scope, receive, send, limit, setting)
         seen = 0
 
         async def limited() -> dict:
@@ -51,17 +55,17 @@ class BodyLimit:
             msg = await receive()
             if msg["type"] == "http.request":
                 seen += len(msg.get("body", b""))
-                if seen > self.max_bytes:
+                if seen > limit:
                     raise _TooLarge
             return msg
 
         try:
             await self.app(scope, limited, send)
         except _TooLarge:
-            await self._reject(scope, receive, send)
+            await self._reject(scope, receive, send, limit, setting)
 
-    async def _reject(self, scope, receive, send) -> None:
-        resp = error_json(413, ErrorReason.LIMIT_EXCEEDED, f"request body is over {self.max_bytes} bytes (max_body_bytes)")
+    async def _reject(self, scope, receive, send, limit: int, setting: str) -> None:
+        resp = error_json(413, ErrorReason.LIMIT_EXCEEDED, f"request body is over {limit} bytes ({setting})")
         await resp(scope, receive, send)
 
 

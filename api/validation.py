@@ -14,7 +14,8 @@ JSON numbers (an integral float for an int, as JSON Schema's ``integer``) and bo
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field, fields
 from functools import cache
@@ -213,6 +214,17 @@ class LogprobsRange:
             raise BadRequestError(f"Requested {self.kind} logprobs of {v}, which is greater than max allowed: {top}",
                                   param=self.over_param or self.param)
         return v
+
+
+@contextmanager
+def limits_scope(limits: Limits) -> Iterator[None]:
+    """Validate against ``limits`` outside a request (the Batch API checks each line's body as
+    its endpoint would)."""
+    token = _CURRENT.set(limits)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
 
 
 class LimitsScope:

@@ -211,8 +211,14 @@ class JobWaiter:
 
     async def _read(self) -> None:
         ps = self._pubsub
+        me = asyncio.current_task()
         while True:
             msg = await ps.get_message(timeout=1.0)
+            if me is not None and me.cancelling():
+                # Python 3.11's asyncio.timeout (inside redis-py's read) turns a cancel that lands
+                # as the read times out into its own TimeoutError: get_message returns None and
+                # the cancel is lost, so close() would wait forever.
+                raise asyncio.CancelledError
             if not msg:
                 continue
             kind = msg.get("type")

@@ -218,6 +218,27 @@ class Settings(BaseSettings):
     # Task events feed Flower; off, Flower shows nothing but each task costs less CPU and Redis.
     task_events: bool = True
 
+    # The OpenAI Batch API (/v1/files, /v1/batches; api/batches/, llmpipe/batches/). File contents
+    # live in batch_storage_dir (None: state_dir/batches; a shared mount when API processes run on
+    # several hosts), their records and each batch's progress in Redis. The limits are OpenAI's.
+    batch_storage_dir: Path | None = None
+    batch_max_file_bytes: int = Field(200 * 1024 * 1024, ge=1)
+    batch_max_lines: int = Field(50_000, ge=1)
+    # Files and batches are forgotten (records and contents) this long after they were made
+    # (OpenAI keeps batch files 30 days).
+    batch_retention_s: int = Field(30 * 24 * 3600, ge=60)
+    # Lines of one batch in flight at once (submitted, not yet written); admission's 429s
+    # shrink the window below it (AIMD), and the batch lane's share keeps interactive room.
+    batch_max_in_flight: int = Field(256, ge=1)
+    # A batch is fed by the API process that holds its lease; one that stops renewing it (it
+    # died) loses it after this long, and any live API process takes the batch over.
+    batch_lease_ttl_s: float = Field(15.0, gt=0)
+    batch_scan_interval_s: float = Field(1.0, gt=0)  # how often an API process looks for batches to feed
+    # A line whose job expired (its deadline passed in the queues, not the batch's window) or
+    # met an outage is run again, up to this many runs in all.
+    batch_line_attempts: int = Field(3, ge=1)
+    batch_feeder: bool = True  # this API process feeds batches (off: it only serves their API)
+
     # Logs (docs/architecture.md, "Logs"). No prompt or generated content is logged unless
     # this is on (debugging only): then Celery's task lines carry their return values.
     log_content: bool = False
@@ -332,6 +353,10 @@ class Settings(BaseSettings):
     @property
     def models_dir(self) -> Path:
         return self.state_dir / "models"
+
+    @property
+    def batch_dir(self) -> Path:
+        return self.batch_storage_dir if self.batch_storage_dir is not None else self.state_dir / "batches"
 
     @property
     def api_key_set(self) -> frozenset[str]:

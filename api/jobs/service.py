@@ -119,7 +119,7 @@ class JobService:
     def submit_inputs(self, inputs: list[dict[str, Any]], params: SamplingParams | list[SamplingParams], *,
                       timeout: float | None, stream: bool = False, kind: str = "job", meta: dict | None = None,
                       key: RequestKey | None = None, waiting: bool = False, choices: int = 1,
-                      priority: int = 0, model: str | None = None) -> Submitted:
+                      priority: int = 0, model: str | None = None, job_id: str | None = None) -> Submitted:
         """One chord for ``inputs`` (each a prompt or messages); ``params`` is shared or per input.
 
         ``key``: the request's Idempotency-Key; a job it already names is returned instead
@@ -128,7 +128,9 @@ class JobService:
         prompt is in ``inputs`` this many times (OpenAI's ``n``, limited by max_n on its own).
         ``priority``: vLLM's (lower is sooner); it picks the job's lane (llmpipe/jobs/lanes.py).
         ``model``: a served model's name (None: the default); its inference queue runs the job,
-        and one not served is ModelNotFoundError (404) before anything is admitted."""
+        and one not served is ModelNotFoundError (404) before anything is admitted. ``job_id``:
+        the job's id (None: a new one); a caller that names it makes it unique with ``key``
+        (the Batch API: one id per batch line and run)."""
         s = self.settings
         served = self.models.get(model)
         lane = lane_for(priority, s.lane_batch_priority)
@@ -138,7 +140,8 @@ class JobService:
         self.check_limits([t for inp in inputs for t in _input_pieces(inp)], len(inputs) // choices, max_tokens)
         inputs = [{k: v for k, v in inp.items() if k != "limit_pieces"} for inp in inputs]
         now = self._clock()
-        job = _Job(uuid.uuid4().hex, now, now + min(timeout or s.default_timeout_s, s.max_timeout_s), lane, served, key)
+        job = _Job(uuid.uuid4().hex if job_id is None else job_id, now,
+                   now + min(timeout or s.default_timeout_s, s.max_timeout_s), lane, served, key)
         if key is not None:
             claim = self.keys.claim(key, job.id, attach=waiting)
             if claim.existing:

@@ -28,13 +28,14 @@ from api.openai.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    CompletionTokensDetails,
     UsageOut,
 )
 from api.openai.sse import JobStream, stream_job
 from api.request_keys import REPLAYED_HEADER, key_of
 from api.waiter import JobWaiter
 from llmpipe.errors import BadRequestError, ExpiredError, LlmpipeError
-from llmpipe.messages import ErrorReason, JobStatus
+from llmpipe.messages import ErrorReason, JobStatus, SamplingParams
 from llmpipe.settings import Settings
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -92,29 +93,110 @@ class ChatShape:
     req: ChatCompletionRequest
     model: str
     inputs: list[dict]
+    reasoning: bool = False  # the model has a reasoning parser: usage counts reasoning tokens (vLLM)
 
-    def chunk(self, job_id: str, i: int, text: str, finish: str | None) -> dict:
-        delta = {"content": text} if text or finish is None else {}
+    def chunk(self, job_id: str, i: int, text: str | dict, finish: str | None) -> dict:
+        """``text``: a content delta, or a delta message (content, reasoning, tool_calls)."""
+        delta = text if isinstance(text, dict) else {"content": text} if text or finish is None else {}
+        if self.req.legacy_functions:
+            delta = _as_function_call(delta)
+            finish = "function_call" if finish == "tool_calls" else finish
         return {"id": f"chatcmpl-{job_id}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": self.model, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
     def first(self, job_id: str) -> list[dict]:
-        """Each choice's first chunk names the assistant's role."""
+        """Each choice's first chunk names the answer's role; with echo, the echoed content follows."""
         out = []
+        echo = self.req.echo_text()
         for i in range(self.req.n):
             c = self.chunk(job_id, i, "", None)
-            c["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            c["choices"][0]["delta"] = {"role": self.req.response_role(), "content": ""}
             out.append(c)
+        out += [self.chunk(job_id, i, echo, None) for i in range(self.req.n) if echo]
         return out
+
+    def usage(self, view: JobView) -> UsageOut:
+        u = usage(view, self.req.n)
+        if self.reasoning:  # vLLM counts the reasoning tokens when the model has a reasoning parser
+            u.completion_tokens_details = CompletionTokensDetails(
+                reasoning_tokens=sum(r.parsed.reasoning_tokens for r in view.result.results if r.parsed is not None))
+        return u
 
     def build(self, job_id: str, view: JobView) -> ChatCompletionResponse:
         results = view.result.results
-        return ChatCompletionResponse(id=f"chatcmpl-{job_id}", model=self.model, usage=usage(view, self.req.n),
+        return ChatCompletionResponse(id=f"chatcmpl-{job_id}", model=self.model, usage=self.usage(view),
                                       choices=[ChatChoice(**chat_choice(r, self.req)) for r in results],
                                       **chat_extras(results, self.req))
 
 
+def _as_function_call(delta: dict) -> dict:
+    """A delta's first tool call as OpenAI's older ``function_call`` (the request sent ``functions``)."""
+    if not delta.get("tool_calls"):
+        return delta
+    out = {k: v for k, v in delta.items() if k != "tool_calls"}
+    fn = next((c.get("function") or {} for c in delta["tool_calls"] if c.get("index", 0) == 0), None)
+    if fn:
+        out["function_call"] = {k: v for k, v in fn.items() if v is not None}
+    return out
+
+
 Shape = CompletionShape | ChatShape
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request as its job: the answer's shape and, per choice (``n`` per prompt), the job
+    input and its sampling. The synchronous endpoints and the Batch API (api/batches/) both
+    make it here, so a batch line and a request of the same body run the same job."""
+
+    shape: Shape
+    inputs: list[dict]
+    params: list[SamplingParams]
+
+
+def _check(req: CompletionRequest | ChatCompletionRequest, jobs: JobService, settings: Settings,
+           params: SamplingParams) -> str:
+    """The served model's id for the request's ``model`` (404 ``model_not_found`` for one not
+    served), once the request is one this server can answer (``params``: its first choice's)."""
+    model = jobs.models.get(req.model).id
+    check_request(req, settings, params)
+    if req.n > settings.max_n:
+        raise BadRequestError(f"n may be at most {settings.max_n} (max_n); got {req.n}", param="n")
+    return model
+
+
+def _prepared(shape: Shape, params_for) -> Prepared:
+    n = shape.req.n
+    return Prepared(shape, [inp for inp in shape.inputs for _ in range(n)],
+                    [params_for(k) for _ in shape.inputs for k in range(n)])
+
+
+def prepare_completion(req: CompletionRequest, jobs: JobService, settings: Settings, detok: Detokenizers) -> Prepared:
+    max_tokens = 16 if req.max_tokens is None else max(1, req.max_tokens)  # 0: echo only (vLLM)
+    model = _check(req, jobs, settings, req.sampling(max_tokens))
+    return _prepared(CompletionShape(req, model, req.inputs(), detok), lambda k: req.sampling(max_tokens, k))
+
+
+def prepare_chat(req: ChatCompletionRequest, jobs: JobService, settings: Settings) -> Prepared:
+    max_tokens = req.max_completion_tokens or req.max_tokens or settings.default_max_tokens
+    model = _check(req, jobs, settings, req.sampling(max_tokens))
+    messages = [m.to_message() for m in req.messages]
+    pieces = [t for m in req.messages for t in m.pieces()]
+    inp = {"messages": messages, "limit_pieces": pieces, "parsing": req.output_parsing(),
+           "chat": req.chat_template_options(settings.trust_request_chat_template)}
+    shape = ChatShape(req, model, [inp], settings.parsers(req.model).reasoning_parser is not None)
+    return _prepared(shape, lambda k: req.sampling(max_tokens, k))
+
+
+# The request body of each endpoint, and how it becomes a job.
+REQUESTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+
+
+def prepare(endpoint: str, req: CompletionRequest | ChatCompletionRequest, jobs: JobService, settings: Settings,
+            detok: Detokenizers) -> Prepared:
+    if endpoint == "/v1/completions":
+        return prepare_completion(req, jobs, settings, detok)
+    return prepare_chat(req, jobs, settings)
 
 
 class OpenAIServing:
@@ -128,45 +210,22 @@ class OpenAIServing:
         self.detok = detok
         self.aredis = aredis
 
-    def _check(self, req: CompletionRequest | ChatCompletionRequest) -> str:
-        """The served model's id for the request's ``model`` (404 ``model_not_found`` for one not
-        served), once the request is one this server can answer."""
-        model = self.jobs.models.get(req.model).id
-        check_request(req, self.settings)
-        return model
-
-    def _check_n(self, n: int) -> None:
-        if n > self.settings.max_n:
-            raise BadRequestError(f"n may be at most {self.settings.max_n} (max_n); got {n}", param="n")
-
     async def completions(self, req: CompletionRequest, request: Request, key_header: str | None) -> BaseModel | Response:
-        model = self._check(req)
-        max_tokens = 16 if req.max_tokens is None else max(1, req.max_tokens)  # 0: echo only (vLLM)
-        self._check_n(req.n)
-        shape = CompletionShape(req, model, req.inputs(), self.detok)
-        return await self._run(request, key_header, shape, lambda k: req.sampling(max_tokens, k))
+        return await self._run(request, key_header, prepare_completion(req, self.jobs, self.settings, self.detok))
 
     async def chat(self, req: ChatCompletionRequest, request: Request, key_header: str | None) -> BaseModel | Response:
-        model = self._check(req)
-        max_tokens = req.max_completion_tokens or req.max_tokens or self.settings.default_max_tokens
-        self._check_n(req.n)
-        messages = [m.to_message() for m in req.messages]
-        pieces = [t for m in req.messages for t in m.pieces()]
-        shape = ChatShape(req, model, [{"messages": messages, "limit_pieces": pieces}])
-        return await self._run(request, key_header, shape, lambda k: req.sampling(max_tokens, k))
+        return await self._run(request, key_header, prepare_chat(req, self.jobs, self.settings))
 
-    async def _run(self, request: Request, key_header: str | None, shape: Shape, params_for) -> BaseModel | Response:
+    async def _run(self, request: Request, key_header: str | None, prep: Prepared) -> BaseModel | Response:
         """Submit ``n`` choices per input as one job; answer as JSON or as SSE. ``key_header``:
         the request's Idempotency-Key."""
-        req, n = shape.req, shape.req.n
+        shape, req = prep.shape, prep.shape.req
         key = key_of(request, key_header, req)
-        job_inputs = [inp for inp in shape.inputs for _ in range(n)]
-        params = [params_for(k) for _ in shape.inputs for k in range(n)]
         sub = await run_in_threadpool(
-            self.jobs.submit_inputs, job_inputs, params, timeout=req.timeout, stream=req.stream, kind="openai", key=key,
-            waiting=True, choices=n, priority=req.priority, model=req.model)
+            self.jobs.submit_inputs, prep.inputs, prep.params, timeout=req.timeout, stream=req.stream, kind="openai",
+            key=key, waiting=True, choices=req.n, priority=req.priority, model=req.model)
         if req.stream:
-            return self._stream(sub, shape, len(job_inputs))
+            return self._stream(sub, shape, len(prep.inputs))
         view = await self._wait(request, sub)
         raise_for(view)
         return shape.build(sub.job_id, view)
@@ -177,13 +236,15 @@ class OpenAIServing:
         include_usage = bool(opts and opts.include_usage)
 
         def usage_chunk(view: JobView) -> dict:
-            return {**shape.chunk(job_id, 0, "", None), "choices": [], "usage": usage(view, req.n).model_dump()}
+            u = shape.usage(view) if isinstance(shape, ChatShape) else usage(view, req.n)
+            return {**shape.chunk(job_id, 0, "", None), "choices": [], "usage": u.model_dump(exclude_none=True)}
 
         gen = stream_job(
             job_id=job_id, n_choices=n_choices, stops=req.stops(), service=self.jobs, waiter=self.waiter,
             aredis=self.aredis, detok=self.detok.get(req.model), chunk=lambda i, t, f: shape.chunk(job_id, i, t, f),
             first=shape.first(job_id), usage_chunk=usage_chunk if include_usage else None, deadline=sub.deadline,
-            continuous_usage=include_usage and bool(opts and opts.continuous_usage_stats), stop_ids=req.stop_token_ids)
+            continuous_usage=include_usage and bool(opts and opts.continuous_usage_stats), stop_ids=req.stop_token_ids,
+            opts=req.detokenizing(), ignore_eos=req.ignore_eos)
         headers = {**_SSE_HEADERS, **({REPLAYED_HEADER: "true"} if sub.replayed else {})}
         return JobStream(gen, on_abandon=lambda: self.jobs.abandon(job_id), media_type="text/event-stream",
                          headers=headers)

@@ -57,8 +57,9 @@ class LiveWorkersCollector:
         yield g
 
 
-def build_registries(depths: Any, r: Any, served: Any = None) -> list[CollectorRegistry]:
-    """Every process's metrics (multiprocess files, or this process alone) and the queue depths."""
+def build_registries(depths: Any, r: Any, served: Any = None, extra: tuple = ()) -> list[CollectorRegistry]:
+    """Every process's metrics (multiprocess files, or this process alone) and the queue depths;
+    ``extra``: more collectors of live state (the batches per status)."""
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         processes = CollectorRegistry()
         multiprocess.MultiProcessCollector(processes)
@@ -71,5 +72,7 @@ def build_registries(depths: Any, r: Any, served: Any = None) -> list[CollectorR
     else:  # llmpipe/models/served.py ModelSet: each model's inference queue
         live.register(QueueDepthCollector(depths, served.stage_queues(), {m.queue: m.name for m in served.models}))
         live.register(LiveWorkersCollector(r, served.readiness_stages()))
+    for collector in extra:
+        live.register(collector)
     return [processes, live]
 

@@ -37,12 +37,10 @@ FINISHED = Counter("llmpipe_jobs_finished_total", "Jobs that reached a terminal 
 EXPIRED = Counter("llmpipe_requests_expired_total", "Prompts that passed their deadline.", ["stage"])
 CANCELLED = Counter("llmpipe_requests_cancelled_total", "Prompts cancelled by their client.", ["stage"])
 ENGINE_ABORTS = Counter("llmpipe_engine_aborts_total", "Requests the engine stopped generating (cancel, client gone, deadline).")
-# A model with several inference workers: the requests add up over its live workers, the KV
-# cache use is the fullest worker's.
-ENGINE_RUNNING = Gauge("llmpipe_engine_running_requests", "Requests the engine is generating.", ["model"], multiprocess_mode="livesum")
-ENGINE_WAITING = Gauge("llmpipe_engine_waiting_requests", "Requests waiting inside the engine.", ["model"], multiprocess_mode="livesum")
-ENGINE_KV = Gauge("llmpipe_engine_kv_cache_usage_ratio", "Share of the KV cache in use (0-1).", ["model"], multiprocess_mode="livemax")
-BATCHER_PENDING = Gauge("llmpipe_batcher_pending_requests", "Requests waiting in the inference worker's batcher.", ["model"], multiprocess_mode="livesum")
+ENGINE_RUNNING = Gauge("llmpipe_engine_running_requests", "Requests the engine is generating.", ["model"], multiprocess_mode="mostrecent")
+ENGINE_WAITING = Gauge("llmpipe_engine_waiting_requests", "Requests waiting inside the engine.", ["model"], multiprocess_mode="mostrecent")
+ENGINE_KV = Gauge("llmpipe_engine_kv_cache_usage_ratio", "Share of the KV cache in use (0-1).", ["model"], multiprocess_mode="mostrecent")
+BATCHER_PENDING = Gauge("llmpipe_batcher_pending_requests", "Requests waiting in the inference worker's batcher.", ["model"], multiprocess_mode="mostrecent")
 # Prefix-aware routing (llmpipe/routing/router.py), counted by the preprocess processes that decide.
 ROUTE_REQUESTS = Counter("llmpipe_route_requests_total", "Inference requests placed by prefix-aware routing: routed (to "
                          "the worker its prefix prefers), spilled (that worker had no room: another worker, or the shared "
@@ -56,6 +54,13 @@ PREFIX_CACHE_QUERIES = Counter("llmpipe_engine_prefix_cache_queries_total", "Pro
 PREFIX_CACHE_HITS = Counter("llmpipe_engine_prefix_cache_hits_total", "Prompt tokens found in the engine's prefix cache.",
                             ["model", "worker"])
 
+# The Batch API (api/batches/): lines written to a batch's output (completed) or error file
+# (failed), and lines submitted and not written yet, per served model ("" before the line's
+# model is known: a line that failed its checks). Batches per status are read from Redis at
+# each scrape (api/batches/metrics.py).
+BATCH_LINES = Counter("llmpipe_batch_lines_total", "Batch lines written, by outcome.", ["model", "outcome"])
+BATCH_LINES_IN_FLIGHT = Gauge("llmpipe_batch_lines_in_flight", "Batch lines submitted as jobs and not written yet.",
+                              ["model"], multiprocess_mode="livesum")
 
 def observe_stage(t: StageTiming, model: str) -> None:
     observe_stage_times(t.stage.value, t.queue_wait_s, t.run_s, model)
