@@ -295,6 +295,21 @@ class Settings(BaseSettings):
             raise ValueError("inference_workers must be at least 1 per model")
         return self
 
+    @model_validator(mode="after")
+    def _check_parsers(self) -> Settings:
+        for name in self.model_parsers:
+            if name not in self.served.names:
+                raise ValueError(f"model_parsers names {name!r}, which is not a served model ({', '.join(self.served.names)})")
+        for m in self.served.models:
+            self.parsers(m.name).check("" if not self.model_parsers else f"model {m.name}: ")
+        return self
+
+    def parsers(self, model: str | None = None) -> ModelParsers:
+        """The served model's parsers (llmpipe/parsing/config.py); None: the default model."""
+        name = self.served.get(model).name
+        defaults = ModelParsers(self.tool_call_parser, self.reasoning_parser, self.enable_auto_tool_choice)
+        return resolve_parsers(defaults, self.model_parsers, name)
+
     @property
     def served(self):
         """The served models (llmpipe/models/served.py ModelSet): ``models``, else ``model``."""
@@ -316,21 +331,6 @@ class Settings(BaseSettings):
                 raise ValueError(f"{name} is given twice, as a setting ({data[name]!r}) and as an engine argument "
                                  f"({value!r}): give it once")
             data[name] = value
-    @model_validator(mode="after")
-    def _check_parsers(self) -> Settings:
-        for name in self.model_parsers:
-            if name not in self.served.names:
-                raise ValueError(f"model_parsers names {name!r}, which is not a served model ({', '.join(self.served.names)})")
-        for m in self.served.models:
-            self.parsers(m.name).check("" if not self.model_parsers else f"model {m.name}: ")
-        return self
-
-    def parsers(self, model: str | None = None) -> ModelParsers:
-        """The served model's parsers (llmpipe/parsing/config.py); None: the default model."""
-        name = self.served.get(model).name
-        defaults = ModelParsers(self.tool_call_parser, self.reasoning_parser, self.enable_auto_tool_choice)
-        return resolve_parsers(defaults, self.model_parsers, name)
-
         data["engine_args"] = args
         return data
 
