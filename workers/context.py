@@ -206,8 +206,9 @@ class WorkerContext:
     @cached_property
     def router(self) -> PrefixRouter:
         s = self.settings
+        engine_block = s.engine_args.get("block_size")  # as given: `--engine-arg block_size=32` is a string
         return PrefixRouter(self.route_redis, load_factor=s.route_load_factor, prefix_ttl_s=s.route_prefix_ttl_s,
-                            block_size=s.route_block_size or s.engine_args.get("block_size"))
+                            block_size=s.route_block_size or (int(engine_block) if engine_block else None))
 
     def _route(self, req: TokenizedRequest) -> str | None:
         m = self.served.get(req.model)

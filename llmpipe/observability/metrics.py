@@ -37,10 +37,12 @@ FINISHED = Counter("llmpipe_jobs_finished_total", "Jobs that reached a terminal 
 EXPIRED = Counter("llmpipe_requests_expired_total", "Prompts that passed their deadline.", ["stage"])
 CANCELLED = Counter("llmpipe_requests_cancelled_total", "Prompts cancelled by their client.", ["stage"])
 ENGINE_ABORTS = Counter("llmpipe_engine_aborts_total", "Requests the engine stopped generating (cancel, client gone, deadline).")
-ENGINE_RUNNING = Gauge("llmpipe_engine_running_requests", "Requests the engine is generating.", ["model"], multiprocess_mode="mostrecent")
-ENGINE_WAITING = Gauge("llmpipe_engine_waiting_requests", "Requests waiting inside the engine.", ["model"], multiprocess_mode="mostrecent")
-ENGINE_KV = Gauge("llmpipe_engine_kv_cache_usage_ratio", "Share of the KV cache in use (0-1).", ["model"], multiprocess_mode="mostrecent")
-BATCHER_PENDING = Gauge("llmpipe_batcher_pending_requests", "Requests waiting in the inference worker's batcher.", ["model"], multiprocess_mode="mostrecent")
+# A model with several inference workers: the requests add up over its live workers, the KV
+# cache use is the fullest worker's.
+ENGINE_RUNNING = Gauge("llmpipe_engine_running_requests", "Requests the engine is generating.", ["model"], multiprocess_mode="livesum")
+ENGINE_WAITING = Gauge("llmpipe_engine_waiting_requests", "Requests waiting inside the engine.", ["model"], multiprocess_mode="livesum")
+ENGINE_KV = Gauge("llmpipe_engine_kv_cache_usage_ratio", "Share of the KV cache in use (0-1).", ["model"], multiprocess_mode="livemax")
+BATCHER_PENDING = Gauge("llmpipe_batcher_pending_requests", "Requests waiting in the inference worker's batcher.", ["model"], multiprocess_mode="livesum")
 # Prefix-aware routing (llmpipe/routing/router.py), counted by the preprocess processes that decide.
 ROUTE_REQUESTS = Counter("llmpipe_route_requests_total", "Inference requests placed by prefix-aware routing: routed (to "
                          "the worker its prefix prefers), spilled (that worker had no room: another worker, or the shared "

@@ -12,6 +12,8 @@ import pytest
 import redis
 from celery.utils.nodenames import gethostname
 
+from llmpipe.stages import worker_queue
+
 pytestmark = pytest.mark.integration
 
 MAX_BATCH = 4
@@ -67,8 +69,10 @@ def test_the_every_queue_worker_runs_whole_jobs_alone(dev):
     assert me["pool"]["implementation"] == "celery.concurrency.thread:TaskPool"
     assert me["pool"]["max-concurrency"] == THREADS
     queues = json.loads(dev.run("inspect", "active_queues", "--json", "--timeout", "3").stdout)
-    assert {q["name"] for q in queues[f"celery@{gethostname()}"]} == {"preprocess", "inference", "postprocess",
-                                                                      "collect"}
+    # Every stage's queue, and the inference worker's own (prefix-aware routing sends there).
+    node = f"celery@{gethostname()}"
+    assert {q["name"] for q in queues[node]} == {"preprocess", "inference", "postprocess", "collect",
+                                                 worker_queue("inference", node)}
 
     t0 = time.monotonic()
     jobs = [dev.submit({"prompts": ["Once upon a time", "Hello"], "max_tokens": 6, "ignore_eos": True}),
