@@ -75,6 +75,9 @@ class Limits:
     max_prompts_per_job: int = Settings.model_fields["max_prompts_per_job"].default
     max_prompt_chars: int = Settings.model_fields["max_prompt_chars"].default
     max_logprobs: int = Settings.model_fields["max_logprobs"].default  # -1: unlimited, as vLLM
+    # Whether a served model has a tool parser: without one a tool_choice other than "none" is 400.
+    tool_parser: bool = True
+    trust_request_chat_template: bool = Settings.model_fields["trust_request_chat_template"].default
     # The largest token id a prompt may hold (None: unknown, the model is not at hand).
     vocab: Callable[[], int | None] = field(default=lambda: None, compare=False)
 
@@ -83,14 +86,15 @@ class Limits:
                       model_paths: list[Callable[[], str]] | None = None) -> Limits:
         """``model_paths``: with several models the schema's token-id bound is the largest
         vocabulary of them (preprocess checks each request against its own model's)."""
-        names = {f.name for f in fields(cls)} - {"vocab"}
+        names = {f.name for f in fields(cls)} - {"vocab", "tool_parser"}
+        tool_parser = any(s.parsers(m.name).tools is not None for m in s.served.models)
         if model_paths:
             def vocab() -> int | None:
                 sizes = [_vocab_size(p()) for p in model_paths]
                 return None if None in sizes else max(sizes)
         else:
             vocab = (lambda: _vocab_size(model_path())) if model_path else (lambda: None)
-        return cls(**{n: getattr(s, n) for n in names}, vocab=_quiet(vocab))
+        return cls(**{n: getattr(s, n) for n in names}, tool_parser=tool_parser, vocab=_quiet(vocab))
 
     def value(self, name: str) -> int | None:
         if name == "max_token_id":
@@ -214,6 +218,65 @@ class LogprobsRange:
             raise BadRequestError(f"Requested {self.kind} logprobs of {v}, which is greater than max allowed: {top}",
                                   param=self.over_param or self.param)
         return v
+
+
+def upto_pattern(n: int) -> str:
+    """A regular expression (no anchors) for the decimal integers 0 to ``n``, no leading zeros."""
+    digits = str(n)
+    alts = ["0"] if n >= 0 else []
+    for width in range(1, len(digits)):  # every number with fewer digits
+        alts.append("[1-9]" + ("[0-9]" * (width - 1)))
+    for i, d in enumerate(digits):  # as many digits: the same prefix, then a smaller digit
+        low = 1 if i == 0 else 0
+        if int(d) > low:
+            alts.append(digits[:i] + f"[{low}-{int(d) - 1}]" + "[0-9]" * (len(digits) - i - 1))
+    if n > 0:
+        alts.append(digits)
+    return "(" + "|".join(dict.fromkeys(alts)) + ")"
+
+
+@dataclass(frozen=True)
+class InVocab:
+    """Schema only: a token id (``of`` "value") or a token id written as an object's key
+    ("key", as ``logit_bias`` has them) is at most the model's largest. Preprocess refuses
+    the rest with vLLM's message, which names the vocabulary."""
+
+    of: str = "value"
+
+    def __get_pydantic_json_schema__(self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler) -> dict:
+        js = handler(schema)
+        top = current().value("max_token_id")
+        if top is None:
+            return js
+        if self.of == "value":
+            js["maximum"] = top
+        else:  # as int() reads a key: spaces around it and a plus sign are taken
+            js["propertyNames"] = {"pattern": rf"^\s*\+?0*{upto_pattern(top)}\s*$"}
+        return js
+
+
+@dataclass(frozen=True)
+class OnlyWhen:
+    """Schema only: without the server's ``flag`` (a Limits field from the settings) the field
+    takes just ``allowed``; the request's checks give vLLM's 400 for the rest."""
+
+    flag: str
+    allowed: tuple
+    why: str
+
+    def __get_pydantic_json_schema__(self, schema: core_schema.CoreSchema, handler: GetJsonSchemaHandler) -> dict:
+        js = handler(schema)
+        if getattr(current(), self.flag):
+            return js
+        return {"enum": list(self.allowed), "description": self.why}
+
+
+# tool_choice without a tool parser on any served model: "none" only (api/openai/chat.py).
+NEEDS_TOOL_PARSER = OnlyWhen("tool_parser", ("none", None), 'Only "none": no served model has a tool parser (the '
+                             "tool_call_parser and enable_auto_tool_choice settings).")
+# A request's own chat template needs the server's trust_request_chat_template.
+NEEDS_TRUST = OnlyWhen("trust_request_chat_template", (None,), "Not taken: the server does not trust a request's "
+                       "chat template (the trust_request_chat_template setting).")
 
 
 @contextmanager

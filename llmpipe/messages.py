@@ -27,7 +27,6 @@ class FinishReason(StrEnum):
 
     STOP = "stop"  # an EOS or stop token
     LENGTH = "length"  # max_tokens reached
-    TOOL_CALLS = "tool_calls"  # the output is tool calls (vLLM's rule: parsed calls of tool_choice auto or required)
     ERROR = "error"  # see the result's ``error``
     CANCELLED = "cancelled"
     EXPIRED = "expired"
@@ -162,7 +161,7 @@ class ToolCall(_Msg):
 
 
 class ChatMessage(_Msg):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's
@@ -285,7 +284,9 @@ class Parsed(_Msg):
     reasoning: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
     reasoning_tokens: int = 0
-    tools_called: bool = False  # finish_reason "tool_calls" (vLLM's rule for auto and required)
+    # The answer's finish_reason is "tool_calls" (vLLM's rule: auto found calls, or required
+    # stopped); the result's finish_reason stays the engine's, which a stream's rule reads.
+    tools_called: bool = False
 
 
 class Generation(_Envelope):

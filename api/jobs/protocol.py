@@ -8,9 +8,9 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_val
 
 from api.errors import ErrorBody
 from api.openai import sampling
-from api.openai.chat import ChatFields, check_generation_prompt, check_tool_usage
+from api.openai.chat import CHAT_RULES, ChatFields, check_generation_prompt, check_tool_usage
 from api.openai.sampling import SamplingFields
-from api.validation import Bool, Float, Int, Limit, Priority, Seed, TokenId
+from api.validation import Bool, Float, InVocab, Int, Limit, Priority, Seed, TokenId
 from llmpipe.messages import ChatMessage, JobResult, JobStatus, SamplingParams
 
 
@@ -24,7 +24,7 @@ class _JobParams(SamplingFields):
     temperature: Float(ge=0.0, le=2.0) = 1.0
     top_p: Float(gt=0.0, le=1.0) = 1.0
     seed: Seed | None = None
-    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
+    stop_token_ids: list[Annotated[TokenId, InVocab()]] = Field(default_factory=list, max_length=64)
     ignore_eos: Bool = False
     timeout: Float(gt=0) | None = Field(default=None, description="Seconds until the job expires; capped by the server (max_timeout_s).")
     priority: Priority = 0
@@ -34,7 +34,7 @@ class _JobParams(SamplingFields):
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         max_tokens = self.max_tokens or default_max_tokens
         sampling.check(self, max_tokens=max_tokens)
-        return SamplingParams(
+        return sampling.in_vocab(SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
             seed=self.seed, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
@@ -44,7 +44,7 @@ class _JobParams(SamplingFields):
             include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens, truncation_side=self.truncation_side,
-        )
+        ))
 
 
 # A prompt's text: not empty, at most max_prompt_chars characters.
@@ -77,6 +77,8 @@ class JobPrompts(_JobParams):
 class JobMessages(ChatFields, _JobParams):
     """A chat; the model's chat template applies, with the tools and the chat template's
     fields of the OpenAI chat endpoint; the model's parsers split each result (``parsed``)."""
+
+    model_config = ConfigDict(json_schema_extra={"allOf": CHAT_RULES})
 
     messages: list[JobMessage] = Field(min_length=1)
     prompt: None = None

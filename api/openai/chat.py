@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from api.validation import Bool, Limit
+from api.validation import NEEDS_TOOL_PARSER, NEEDS_TRUST, Bool, Limit
 from llmpipe.errors import BadRequestError
 from llmpipe.messages import ChatMessage, ChatTemplate, FunctionCall, OutputParsing, ToolCall
 from llmpipe.settings import Settings
@@ -137,6 +137,17 @@ def legacy_functions(data: Any) -> Any:
     return data
 
 
+# vLLM's rules between the chat fields, as JSON Schema (check_tool_usage and
+# check_generation_prompt enforce them with vLLM's messages): a tool_choice other than
+# "none" needs tools, and a prefill (continue_final_message) adds no generation prompt.
+CHAT_RULES = [
+    {"anyOf": [{"properties": {"tool_choice": {"enum": ["none", None]}}},
+               {"required": ["tools"], "properties": {"tools": {"type": "array"}}}]},
+    {"anyOf": [{"properties": {"continue_final_message": {"const": False}}},
+               {"properties": {"add_generation_prompt": {"const": False}}}]},
+]
+
+
 def check_tool_usage(data: Any) -> Any:
     """vLLM's check_tool_usage, on the raw body: tool_choice needs tools, names one of them,
     and defaults to "auto" when tools are given."""
@@ -204,7 +215,7 @@ class ChatFields(BaseModel):
     """vLLM's chat-only fields: tools and the chat template."""
 
     tools: list[ToolIn] | None = Field(default=None, min_length=1)
-    tool_choice: ToolChoice = Field(default="none", description='"none", "auto" (needs the model\'s tool_call_parser), '
+    tool_choice: Annotated[ToolChoice, NEEDS_TOOL_PARSER] = Field(default="none", description='"none", "auto" (needs the model\'s tool_call_parser), '
                                     '"required" or a named function (both through guided decoding, as vLLM).')
     parallel_tool_calls: Bool | None = True
     include_reasoning: Bool = Field(default=True, description="vLLM: include the reasoning parser's reasoning.")
@@ -213,9 +224,11 @@ class ChatFields(BaseModel):
     continue_final_message: Bool = Field(default=False, description="Continue the last message (a prefill).")
     add_special_tokens: Bool = False
     documents: list[dict[str, str]] | None = None
-    chat_template: str | None = Field(default=None, description="A Jinja template; needs the server's "
+    chat_template: Annotated[str | None, NEEDS_TRUST] = Field(default=None, description="A Jinja template; needs the server's "
                                       "trust_request_chat_template (vLLM's --trust-request-chat-template).")
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: Annotated[dict[str, Any], Field(json_schema_extra={
+        "propertyNames": {"not": {"enum": ["chat_template", "tokenize"]}}})] | None = Field(
+        default=None, description="The chat template's variables (e.g. enable_thinking), not chat_template or tokenize.")
 
     def check_chat(self, s: Settings, model: str | None) -> None:
         """What needs the server's settings: vLLM's rule that a tool_choice other than "none"

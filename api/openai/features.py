@@ -88,7 +88,7 @@ def chat_choice(r: PromptResult, req: ChatCompletionRequest) -> dict:
     as_ids = bool(req.return_tokens_as_token_ids)
     # vLLM leaves the logprobs and ids out when the reasoning is hidden (they would show it).
     hide = r.parsed is not None and not req.include_reasoning
-    finish = r.finish_reason.value
+    finish = "tool_calls" if r.parsed is not None and r.parsed.tools_called else r.finish_reason.value
     message = chat_message(r, req)
     if req.legacy_functions and finish == "tool_calls":
         finish = "function_call"
@@ -98,6 +98,15 @@ def chat_choice(r: PromptResult, req: ChatCompletionRequest) -> dict:
                                                                            req.top_logprobs or 0, as_ids=as_ids),
         "token_ids": r.token_ids if req.return_token_ids and not hide else None,
     }
+
+
+def stream_finish(r: PromptResult, req: ChatCompletionRequest, calls_streamed: bool) -> str:
+    """A stream's last finish_reason, vLLM's rule: "tool_calls" when calls were streamed, the
+    choice named no function and the engine stopped (an answer's rule differs: chat_choice)."""
+    named = isinstance(req.tool_choice_value(), dict)
+    if calls_streamed and not named and r.finish_reason.value == "stop":
+        return "tool_calls"
+    return r.finish_reason.value
 
 
 def chat_message(r: PromptResult, req: ChatCompletionRequest) -> dict:

@@ -10,6 +10,7 @@ from pydantic.json_schema import SkipJsonSchema
 
 from api.openai import sampling, structured
 from api.openai.chat import (
+    CHAT_RULES,
     ChatFields,
     ChatIn,
     check_generation_prompt,
@@ -22,6 +23,7 @@ from api.openai.structured import ResponseFormat, StructuredOutputsIn
 from api.validation import (
     Bool,
     Float,
+    InVocab,
     Int,
     Limit,
     LogprobsRange,
@@ -86,19 +88,20 @@ class _Common(SamplingFields):
     stream: Bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: Bool = False
-    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
+    stop_token_ids: list[Annotated[TokenId, InVocab()]] = Field(default_factory=list, max_length=64)
     user: str | None = None
     timeout: Float(gt=0) | None = Field(default=None, description="llmpipe: seconds until the request expires.")
     response_format: ResponseFormat | None = Field(
         default=None, description="json_object, json_schema or structural_tag (the vllm engine's structured outputs).")
     structured_outputs: StructuredOutputsIn | None = Field(
         default=None, description="vLLM's guided decoding: one of json, regex, choice, grammar, json_object, structural_tag.")
-    guided_json: dict | str | None = Field(default=None, description="vLLM's older name of structured_outputs.json.")
-    guided_regex: str | None = Field(default=None, description="vLLM's older name of structured_outputs.regex.")
-    guided_choice: list[str] | None = Field(default=None, description="vLLM's older name of structured_outputs.choice.")
-    guided_grammar: str | None = Field(default=None, description="vLLM's older name of structured_outputs.grammar.")
-    guided_whitespace_pattern: str | None = Field(default=None, description="vLLM's older name of "
-                                                  "structured_outputs.whitespace_pattern.")
+    # vLLM's older names of structured_outputs' fields (vLLM 0.32 dropped them): taken, and
+    # left out of the OpenAPI document, as vLLM's own leaves them out.
+    guided_json: SkipJsonSchema[dict | str | None] = None
+    guided_regex: SkipJsonSchema[str | None] = None
+    guided_choice: SkipJsonSchema[list[str] | None] = None
+    guided_grammar: SkipJsonSchema[str | None] = None
+    guided_whitespace_pattern: SkipJsonSchema[str | None] = None
     prompt_logprobs: Int(LogprobsRange("prompt_logprobs", "prompt")) | None = Field(
         default=None, description="vLLM: log probabilities of each prompt token; at most max_logprobs.")
     return_tokens_as_token_ids: Bool | None = Field(
@@ -132,7 +135,7 @@ class _Common(SamplingFields):
         """The sampling parameters of choice ``k``, once vLLM's checks of the fields passed
         (api/openai/sampling.py, with the effective max_tokens)."""
         sampling.check(self, max_tokens=max_tokens)
-        return SamplingParams(
+        return sampling.in_vocab(SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
             seed=None if self.seed is None else self.seed + k, stop_token_ids=self.stop_token_ids,
             stop=self.stops(), ignore_eos=self.ignore_eos, logprobs=self.sample_logprobs(),
@@ -145,7 +148,7 @@ class _Common(SamplingFields):
             include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens, truncation_side=self.truncation_side,
-        )
+        ))
 
     def sample_logprobs(self) -> int | None:
         """How many top logprobs per generated token (None: none asked)."""
@@ -228,6 +231,7 @@ _CHAT_RULES = [
     # top_logprobs asks for something only with logprobs: true (vLLM)
     {"anyOf": [{"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
                {"properties": {"top_logprobs": {"enum": [0, None]}}}]},
+    *CHAT_RULES,
 ]
 
 
@@ -275,6 +279,14 @@ class ChatCompletionRequest(ChatFields, _Common):
 
     def sample_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def sampling(self, max_tokens: int, k: int = 0, *, score_echo: bool = True) -> SamplingParams:
+        """``score_echo``: vLLM scores an echoed prompt (prompt_logprobs, top_logprobs each)
+        unless asked otherwise; off for an engine that returns no log probabilities."""
+        p = super().sampling(max_tokens, k)
+        if score_echo and self.echo and self.prompt_logprobs is None and not self.stream:
+            p.prompt_logprobs = self.top_logprobs
+        return p
 
 
 class CompletionTokensDetails(BaseModel):

@@ -12,12 +12,14 @@ truncation longer than the context) is checked by preprocess, with vLLM's messag
 from __future__ import annotations
 
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from api.validation import Bool, Float, Int, TokenId
+from api.validation import Bool, Float, InVocab, Int, TokenId, current
 from llmpipe.errors import BadRequestError
+from llmpipe.messages import Detokenizing, SamplingParams
+from llmpipe.processors.prompt_checks import check_vocab
 
 
 def _limits(**kw: Any) -> Any:
@@ -38,12 +40,14 @@ class SamplingFields(BaseModel):
                                 description="vLLM: the top k tokens only; 0 or -1: all.")
     min_p: Float() | None = Field(default=None, **_limits(minimum=0, maximum=1),
                                   description="vLLM: 0 to 1; tokens less likely than min_p times the top one are dropped.")
-    logit_bias: dict[str, Float()] | None = Field(
+    logit_bias: Annotated[dict[str, Float()], InVocab("key")] | None = Field(
         default=None, description="Token id (as a string) -> bias added to its logit, clamped to [-100, 100].")
     min_tokens: Int() = Field(default=0, **_limits(minimum=0),
                               description="vLLM: no EOS, stop token or stop string before this many tokens.")
-    bad_words: list[str] = Field(default_factory=list, description="vLLM: words the output never contains.")
-    allowed_token_ids: list[TokenId] | None = Field(default=None, description="vLLM: only these tokens are sampled.")
+    bad_words: list[str] = Field(default_factory=list, **_limits(items={"type": "string", "minLength": 1}),
+                                 description="vLLM: words the output never contains.")
+    allowed_token_ids: list[Annotated[TokenId, InVocab()]] | None = Field(default=None, **_limits(minItems=1),
+                                                    description="vLLM: only these tokens are sampled.")
     include_stop_str_in_output: Bool = Field(default=False, description="vLLM: keep the stop string (or token) text.")
     skip_special_tokens: Bool = Field(default=True, description="vLLM: leave special tokens out of the text.")
     spaces_between_special_tokens: Bool = Field(default=True, description="vLLM: spaces between special tokens.")
@@ -52,6 +56,12 @@ class SamplingFields(BaseModel):
         description="vLLM: keep only this many prompt tokens (-1: the context length less one).")
     truncation_side: Literal["left", "right"] | None = Field(
         default=None, description="vLLM: left keeps the last tokens, right the first; default: the tokenizer's.")
+
+    def detokenizing(self) -> Detokenizing:
+        """The detokenizing options, for the API's live decode of a stream."""
+        return Detokenizing(skip_special_tokens=self.skip_special_tokens,
+                            spaces_between_special_tokens=self.spaces_between_special_tokens,
+                            include_stop_str_in_output=self.include_stop_str_in_output, min_tokens=self.min_tokens)
 
     def bias(self) -> dict[int, float] | None:
         """``logit_bias`` with vLLM's conversion: integer keys, biases clamped to [-100, 100]."""
@@ -101,3 +111,12 @@ def _is_int(key: str) -> bool:
 
 def _bad(message: str, param: str) -> None:
     raise BadRequestError(message, param=param)
+
+
+def in_vocab(p: SamplingParams) -> SamplingParams:
+    """``p``, once its token ids are in the vocabulary the schema states (vLLM's messages;
+    preprocess checks them again against the request's own model)."""
+    top = current().value("max_token_id")
+    if top is not None:
+        check_vocab(p, top + 1)
+    return p

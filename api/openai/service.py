@@ -20,7 +20,8 @@ from api.detok import Detokenizers
 from api.disconnect import unless_disconnected
 from api.jobs.protocol import JobView
 from api.jobs.service import JobService, Submitted, wait_view
-from api.openai.features import chat_choice, chat_extras, check_request, completion_choice, echo_text
+from llmpipe.engines.kinds import engine_class
+from api.openai.features import chat_choice, chat_extras, check_request, completion_choice, echo_text, stream_finish
 from api.openai.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -179,13 +180,14 @@ def prepare_completion(req: CompletionRequest, jobs: JobService, settings: Setti
 
 def prepare_chat(req: ChatCompletionRequest, jobs: JobService, settings: Settings) -> Prepared:
     max_tokens = req.max_completion_tokens or req.max_tokens or settings.default_max_tokens
-    model = _check(req, jobs, settings, req.sampling(max_tokens))
+    score = engine_class(settings.engine, settings.sim_continuous).supports_logprobs
+    model = _check(req, jobs, settings, req.sampling(max_tokens, score_echo=score))
     messages = [m.to_message() for m in req.messages]
     pieces = [t for m in req.messages for t in m.pieces()]
     inp = {"messages": messages, "limit_pieces": pieces, "parsing": req.output_parsing(),
            "chat": req.chat_template_options(settings.trust_request_chat_template)}
     shape = ChatShape(req, model, [inp], settings.parsers(req.model).reasoning_parser is not None)
-    return _prepared(shape, lambda k: req.sampling(max_tokens, k))
+    return _prepared(shape, lambda k: req.sampling(max_tokens, k, score_echo=score))
 
 
 # The request body of each endpoint, and how it becomes a job.
@@ -244,7 +246,8 @@ class OpenAIServing:
             aredis=self.aredis, detok=self.detok.get(req.model), chunk=lambda i, t, f: shape.chunk(job_id, i, t, f),
             first=shape.first(job_id), usage_chunk=usage_chunk if include_usage else None, deadline=sub.deadline,
             continuous_usage=include_usage and bool(opts and opts.continuous_usage_stats), stop_ids=req.stop_token_ids,
-            opts=req.detokenizing(), ignore_eos=req.ignore_eos)
+            opts=req.detokenizing(), ignore_eos=req.ignore_eos,
+            finish=(lambda r, streamed: stream_finish(r, req, streamed)) if isinstance(shape, ChatShape) else None)
         headers = {**_SSE_HEADERS, **({REPLAYED_HEADER: "true"} if sub.replayed else {})}
         return JobStream(gen, on_abandon=lambda: self.jobs.abandon(job_id), media_type="text/event-stream",
                          headers=headers)

@@ -39,6 +39,8 @@ FALLBACK_S = 1.0  # a silent stream's record is read this often (the end marker 
 
 # chunk(index, text delta or delta message, finish_reason) -> the OpenAI chunk object for one choice
 ChunkFn = Callable[[int, str | dict, str | None], dict]
+# finish(result, tool calls were streamed) -> the stream's last finish_reason
+FinishFn = Callable[[PromptResult, bool], str]
 
 
 def sse(obj: dict | str) -> bytes:
@@ -84,6 +86,10 @@ class _ParsedChoice:
         self.content = ""
         self.reasoning = ""
         self.calls: dict[int, dict] = {}  # index -> {"name": ..., "arguments": ...} sent so far
+        # The parser saw the end: what it sent is the whole stream, vLLM's (for an output cut
+        # inside a tool call that is not the finished answer, which has no call: vLLM's
+        # stream and answer differ there too, and deltas sent are never taken back).
+        self.ended = False
 
     def relay(self, deltas: list[dict]) -> list[dict]:
         for d in deltas:
@@ -97,6 +103,8 @@ class _ParsedChoice:
         return deltas
 
     def rest_delta(self, r: PromptResult) -> dict:
+        if self.ended:
+            return {}
         p = r.parsed or Parsed(content=r.text)
         out: dict = {}
         content, reasoning = _beyond(self.content, p.content), _beyond(self.reasoning, p.reasoning)
@@ -127,7 +135,7 @@ class _Choices:
     usage so far when ``continuous_usage``."""
 
     def __init__(self, loading: asyncio.Future, n_choices: int, stops: list[str], stop_ids: frozenset[int],
-                 chunk: ChunkFn, continuous_usage: bool, opts: Detokenizing):
+                 chunk: ChunkFn, continuous_usage: bool, opts: Detokenizing, finish: FinishFn | None = None):
         self.loading = loading  # (the tokenizer, the EOS ids that end an output), loading
         self.n_choices = n_choices
         self.stops = stops
@@ -135,6 +143,7 @@ class _Choices:
         self.chunk = chunk
         self.continuous_usage = continuous_usage
         self.opts = opts
+        self.finish_of = finish or (lambda r, calls_streamed: r.finish_reason.value)
         self.choices: dict[int, _Choice | _ParsedChoice] = {}
         self.ids: dict[int, list[int]] = {}
         self.prompts: dict[int, PromptInfo] = {}
@@ -162,12 +171,14 @@ class _Choices:
         """The chunks of new text (or delta messages) in these stream entries."""
         out = []
         deltas: dict[int, list[dict]] = {}
-        for i, new in apply_entries(entries, self.ids, self.prompts, deltas).items():
+        ended: set[int] = set()
+        for i, new in apply_entries(entries, self.ids, self.prompts, deltas, ended).items():
             if i >= self.n_choices:
                 continue
             c = await self.choice(i, parsed=i in deltas)
             if isinstance(c, _ParsedChoice):
                 out += [sse(self.with_usage(self.chunk(i, d, None), i)) for d in c.relay(deltas.get(i, []))]
+                c.ended = c.ended or i in ended
             elif delta := c.push(new):
                 out.append(sse(self.with_usage(self.chunk(i, delta, None), i)))
         return out
@@ -181,8 +192,10 @@ class _Choices:
             return [sse(error_event(reason, err.message if err else f"job {view.status.value}", err.param if err else None))]
         out = []
         for r in view.result.results:
-            tail = (await self.choice(r.index, parsed=r.parsed is not None and r.index not in self.choices)).rest_delta(r)
-            out.append(sse(self.with_usage(self.chunk(r.index, tail, r.finish_reason.value), r.index, r.prompt_tokens,
+            c = await self.choice(r.index, parsed=r.parsed is not None and r.index not in self.choices)
+            tail = c.rest_delta(r)
+            calls = isinstance(c, _ParsedChoice) and bool(c.calls or (isinstance(tail, dict) and tail.get("tool_calls")))
+            out.append(sse(self.with_usage(self.chunk(r.index, tail, self.finish_of(r, calls)), r.index, r.prompt_tokens,
                                            r.completion_tokens)))
         if usage_chunk is not None:
             out.append(sse(usage_chunk(view)))
@@ -193,14 +206,14 @@ async def stream_job(
     *, job_id: str, n_choices: int, stops: list[str], service: JobService, waiter: JobWaiter,
     aredis: aioredis.Redis, detok: Detokenizer, chunk: ChunkFn, first: list[dict], usage_chunk: Callable[[JobView], dict] | None,
     deadline: float, continuous_usage: bool = False, stop_ids: Iterable[int] = (), opts: Detokenizing | None = None,
-    ignore_eos: bool = False,
+    ignore_eos: bool = False, finish: FinishFn | None = None,
 ) -> AsyncIterator[bytes]:
     """``continuous_usage``: vLLM's ``stream_options.continuous_usage_stats``, every chunk
     carries the usage so far. ``stop_ids``: the request's stop_token_ids; they and the
     model's EOS ids (unless ``ignore_eos``) end the output, without their text (as vLLM). ``opts``: the request's detokenizing options."""
     # The first call reads files: off the event loop, while the stream is already read.
     loading = asyncio.ensure_future(run_in_threadpool(lambda: (detok.tokenizer(), [] if ignore_eos else detok.eos_ids())))
-    text = _Choices(loading, n_choices, stops, frozenset(stop_ids), chunk, continuous_usage, opts or Detokenizing())
+    text = _Choices(loading, n_choices, stops, frozenset(stop_ids), chunk, continuous_usage, opts or Detokenizing(), finish)
     last = "0-0"
     for obj in first:
         yield sse(obj)

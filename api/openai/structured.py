@@ -31,9 +31,11 @@ GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choi
 
 
 class StructuredOutputsIn(BaseModel):
-    """vLLM's ``structured_outputs``: exactly one constraint, and its options."""
+    """vLLM's ``structured_outputs``: exactly one constraint, and its options (checked in
+    :func:`resolve`, after the request's own rules, as vLLM's order has it)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"oneOf": [
+        {"required": [k], "properties": {k: {"not": {"type": "null"}}}} for k in _CONSTRAINTS]})
 
     json_: dict | str | None = Field(default=None, alias="json", description="A JSON schema (object or JSON text).")
     regex: str | None = None
@@ -88,6 +90,8 @@ def resolve(structured: StructuredOutputsIn | None, fmt: ResponseFormat | None, 
     """The request's one constraint, or None; a 400 with vLLM's message for a conflict."""
     values = structured.values() if structured is not None else None
     given = {k: v for k, v in guided.items() if v is not None}
+    if given.keys() <= {"guided_whitespace_pattern"}:
+        given = {}  # an option without a constraint asks for nothing (vLLM ignores every guided_* field)
     if given:
         if values is not None:
             raise BadRequestError(f"{', '.join(sorted(given))} and structured_outputs both constrain the output: "
@@ -102,6 +106,8 @@ def resolve(structured: StructuredOutputsIn | None, fmt: ResponseFormat | None, 
         if isinstance(tool_choice, dict) and sum(values.get(k) is not None for k in ("json", "regex", "choice")):
             raise BadRequestError("You can only either use constraints for structured outputs or tools, not both.",
                                   param="structured_outputs")
+        if structured is not None:
+            _build(values)  # vLLM parses structured_outputs on its own first: exactly one constraint
     override = fmt.override() if fmt is not None else {}
     if not override:
         return _build(values) if values is not None else None

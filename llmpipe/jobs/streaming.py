@@ -154,6 +154,8 @@ class TokenPublisher:
         fields = {"i": t.index, "o": t.published, "d": json.dumps(t.ids[t.published:upto])}
         if deltas is not None:
             fields["m"] = json.dumps(deltas, separators=(",", ":"))
+            if t.done:
+                fields["f"] = 1  # the parser saw the end: these deltas are all the output has
         if t.stream and t.prompt_tokens is not None:
             fields["p"] = t.prompt_tokens
         if t.stream and t.prompt_tail is not None:
@@ -189,10 +191,11 @@ class PromptInfo:
 
 def apply_entries(entries: list[tuple[Any, dict]], ids_by_index: dict[int, list[int]],
                   prompts: dict[int, PromptInfo] | None = None,
-                  deltas: dict[int, list[dict]] | None = None) -> dict[int, list[int]]:
+                  deltas: dict[int, list[dict]] | None = None, ended: set[int] | None = None) -> dict[int, list[int]]:
     """Merge stream entries into ``ids_by_index``; returns the ids new to each index.
     ``prompts`` (optional) collects each index's prompt length and tail, when entries carry them;
-    ``deltas`` (optional) the delta messages of a parsed output, in order.
+    ``deltas`` (optional) the delta messages of a parsed output, in order, and ``ended`` the
+    indexes whose parser saw the end.
 
     Entries carry their offset, so a replayed entry adds nothing."""
     new: dict[int, list[int]] = {}
@@ -209,6 +212,8 @@ def apply_entries(entries: list[tuple[Any, dict]], ids_by_index: dict[int, list[
         fresh = delta[len(have) - off:]
         if fresh and deltas is not None and "m" in f and off == len(have):
             deltas.setdefault(i, []).extend(json.loads(f["m"]))
+            if ended is not None and "f" in f:
+                ended.add(i)
         if fresh:
             have.extend(fresh)
             new.setdefault(i, []).extend(fresh)

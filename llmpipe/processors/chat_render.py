@@ -31,8 +31,10 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     for m in messages:
         d: dict[str, Any] = {"role": m.role, "content": m.content or ""}
         if m.role == "assistant" and m.tool_calls:
-            d["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name,
-                                                                        "arguments": _arguments(c.function.arguments)}}
+            # In the order of OpenAI's typed dicts, which vLLM's request keeps: a template's
+            # ``tojson`` of a call shows it.
+            d["tool_calls"] = [{"id": c.id, "function": {"arguments": _arguments(c.function.arguments),
+                                                         "name": c.function.name}, "type": c.type}
                                for c in m.tool_calls]
         if m.role == "assistant" and m.reasoning is not None:
             d["reasoning"] = d["reasoning_content"] = m.reasoning

@@ -48,11 +48,23 @@ class InputProcessor:
         assert req.prompt is not None
         if not req.prompt:
             raise BadRequestError("prompt must not be empty", param="prompt")
+        keep = prompt_checks.keep_tokens(req.params, self.context_len)
+        if keep is not None and req.params.truncation_side is None:
+            return self.prompt_ids(req.prompt, truncate_to=keep)
         return self.prompt_ids(req.prompt)
 
-    def prompt_ids(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    def prompt_ids(self, text: str, *, add_special_tokens: bool = True, truncate_to: int | None = None) -> list[int]:
+        """``truncate_to``: the tokenizer truncates, from the left (vLLM's tokenizer side for
+        generation), keeping the special tokens it adds, as vLLM's text prompts are truncated."""
         # Special tokens written as text (e.g. "<|im_end|>") stay text unless allowed.
-        enc = self.tokenizer(text, add_special_tokens=add_special_tokens, split_special_tokens=not self.allow_special_tokens)
+        kw = {} if truncate_to is None else {"truncation": True, "max_length": truncate_to}
+        side = self.tokenizer.truncation_side
+        self.tokenizer.truncation_side = "left"
+        try:
+            enc = self.tokenizer(text, add_special_tokens=add_special_tokens,
+                                 split_special_tokens=not self.allow_special_tokens, **kw)
+        finally:
+            self.tokenizer.truncation_side = side
         return list(enc["input_ids"])
 
     def chat_ids(self, messages: list[ChatMessage] | list[dict], chat: ChatTemplate | None = None) -> list[int]:
@@ -153,7 +165,7 @@ class InputProcessor:
         with self._lock:
             ids = self.token_ids(req)
             params = self._checked_params(req.params)
-        ids = prompt_checks.truncate(ids, params, self.context_len, getattr(self.tokenizer, "truncation_side", "right"))
+        ids = prompt_checks.truncate(ids, params, self.context_len)
         parsing, reasoning_ended = None, None
         if req.parsing is not None and self.parser is not None and self.parser.cls is not None:
             params, reasoning_ended = self._adjusted(req, params, ids)
@@ -183,7 +195,8 @@ class InputProcessor:
         """vLLM's adjust_request by the model's parsers (guided decoding for a forced tool call...)."""
         from llmpipe.parsing.vllm_parsers import adjust_errors
 
-        messages = chat_render.conversation(req.messages) if req.messages else []
+        # As the client sent them (tool call arguments as JSON text): vLLM's request validates them.
+        messages = [m.model_dump(exclude_none=True) for m in req.messages or []]
         with adjust_errors():
             return self.parser.adjust(req.parsing, params, messages, ids)
 

@@ -48,8 +48,6 @@ class OutputProcessor:
         d: Detokenized = out.get("detok") or Detokenized("", [])
         finish = (FinishReason.STOP if d.stop_string is not None else done.finish_reason) if ok else _finish_for(done.error)
         parsed = out.get("parsed")
-        if parsed is not None and parsed.tools_called:
-            finish = FinishReason.TOOL_CALLS
         result = PromptResult(
             index=done.index,
             text=d.text,

@@ -49,19 +49,25 @@ def bad_words_token_ids(tokenizer: Any, words: list[str], max_token_id: int) -> 
     return out
 
 
-def truncate(ids: list[int], p: SamplingParams, context_len: int, tokenizer_side: str) -> list[int]:
-    """vLLM's truncate_prompt_tokens: keep that many tokens (-1: the context length less one),
-    the last ones for truncation_side "left", else the first ones."""
+def keep_tokens(p: SamplingParams, context_len: int) -> int | None:
+    """How many prompt tokens truncate_prompt_tokens keeps (-1: the context length less one);
+    None: no truncation."""
     n = p.truncate_prompt_tokens
     if n is None:
-        return ids
+        return None
     if n > context_len:
         raise BadRequestError(f"truncate_prompt_tokens={n} cannot be greater than max_model_len = {context_len}. "
                               "Please request a smaller truncation size.", param="truncate_prompt_tokens")
     keep = max(0, context_len - 1) if n < 0 else n
-    if keep >= len(ids):
-        return ids
     if keep == 0:
         raise BadRequestError("truncate_prompt_tokens=0 leaves no prompt", param="truncate_prompt_tokens")
-    side = p.truncation_side or tokenizer_side
-    return list(ids[-keep:]) if side == "left" else list(ids[:keep])
+    return keep
+
+
+def truncate(ids: list[int], p: SamplingParams, context_len: int) -> list[int]:
+    """vLLM's truncation of a token list: the last ``keep`` ids for truncation_side "left"
+    (vLLM's default for generation: its tokenizer's side), the first for "right"."""
+    keep = keep_tokens(p, context_len)
+    if keep is None or keep >= len(ids):
+        return ids
+    return list(ids[:keep]) if p.truncation_side == "right" else list(ids[-keep:])
