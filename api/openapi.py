@@ -35,15 +35,15 @@ ROUTE_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("POST", "/v1/completions"): (400, 404, 409, 422, 424, 429, 504, *BODY, *REDIS),
     ("POST", "/v1/chat/completions"): (400, 404, 409, 422, 424, 429, 504, *BODY, *REDIS),
     ("GET", "/v1/models"): (),
-    # 400: a body or query that failed validation (OpenAI's), a purpose or file that will not do,
-    # an ``after`` cursor naming nothing; 413: an upload over batch_max_file_bytes.
+    # 400: a body or query that failed validation (OpenAI's), a purpose or file that will not do;
+    # 404 on a list: an ``after`` cursor naming nothing; 413: an upload over batch_max_file_bytes.
     ("POST", "/v1/files"): (400, *BODY, *REDIS),
-    ("GET", "/v1/files"): (400, *REDIS),
+    ("GET", "/v1/files"): (400, 404, *REDIS),
     ("GET", "/v1/files/{file_id}"): (404, *REDIS),
     ("GET", "/v1/files/{file_id}/content"): (404, *REDIS),
     ("DELETE", "/v1/files/{file_id}"): (404, *REDIS),
     ("POST", "/v1/batches"): (400, 404, *BODY, *REDIS),
-    ("GET", "/v1/batches"): (400, *REDIS),
+    ("GET", "/v1/batches"): (400, 404, *REDIS),
     ("GET", "/v1/batches/{batch_id}"): (404, *REDIS),
     ("POST", "/v1/batches/{batch_id}/cancel"): (404, *REDIS),
     ("GET", "/metrics"): (),

@@ -67,7 +67,7 @@ class BatchAPI:
     def list_files(self, *, after: str | None, limit: int, order: str, purpose: str | None) -> FileList:
         got = self.files.list(after=after, limit=limit, order=order, purpose=purpose)
         if got is None:
-            raise BadRequestError(f"after: no file with id {after!r}", param="after")
+            raise NotFoundError(f"after: no file with id {after!r} (unknown, deleted or expired)", param="after")
         recs, more = got
         data = [FileObject.of(r) for r in recs]
         return FileList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
@@ -104,7 +104,7 @@ class BatchAPI:
     def list_batches(self, *, after: str | None, limit: int) -> BatchList:
         got = self.batches.list(after=after, limit=limit)
         if got is None:
-            raise BadRequestError(f"after: no batch with id {after!r}", param="after")
+            raise NotFoundError(f"after: no batch with id {after!r} (unknown or expired)", param="after")
         recs, more = got
         data = [Batch.of(r) for r in recs]
         return BatchList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
@@ -119,13 +119,14 @@ class BatchAPI:
 
 
 def _expires_after(fields: dict[str, str]) -> float | None:
-    """OpenAI's ``expires_after`` of an upload (anchor ``created_at``), in seconds; None: the retention."""
+    """OpenAI's ``expires_after`` of an upload, in seconds after its creation (the only anchor,
+    ``created_at``, may be left out); None: the retention."""
     anchor, seconds = fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]")
-    if anchor is None and seconds is None:
-        return None
-    if anchor != "created_at":
+    if anchor is not None and anchor != "created_at":
         raise BadRequestError("expires_after[anchor] must be 'created_at'", param="expires_after[anchor]")
-    if seconds is None or not seconds.isdigit() or not EXPIRES_AFTER_MIN_S <= int(seconds) <= EXPIRES_AFTER_MAX_S:
+    if seconds is None:
+        return None
+    if not seconds.isdigit() or not EXPIRES_AFTER_MIN_S <= int(seconds) <= EXPIRES_AFTER_MAX_S:
         raise BadRequestError(f"expires_after[seconds] must be a whole number from {EXPIRES_AFTER_MIN_S} to "
                               f"{EXPIRES_AFTER_MAX_S}", param="expires_after[seconds]")
     return float(seconds)

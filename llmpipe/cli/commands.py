@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 from pydantic import ValidationError
 
+from llmpipe.cli.batch import batch
 from llmpipe.cli.client import cancel, chat, submit
 from llmpipe.engines.platform import describe_config
 from llmpipe.engines.vllm_args import EngineArgError, parse_pairs
@@ -190,6 +191,7 @@ def deadletter(ctx):
 main.add_command(submit)
 main.add_command(chat)
 main.add_command(cancel)
+main.add_command(batch)
 
 try:  # the benchmark brings its own heavier imports
     from llmpipe.bench.cli import bench  # noqa: E402

@@ -87,6 +87,11 @@ class Stack:
         return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+def _append(path, data: bytes) -> None:
+    with open(path, "ab") as fh:
+        fh.write(data)
+
+
 async def until(pred, timeout: float = 20.0):
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
@@ -240,8 +245,7 @@ def test_a_takeover_finishes_the_batch_with_every_line_once(stack):
         with pytest.raises(asyncio.CancelledError):
             await task
         out_path = stack.st.files.path(output_file_ids(bid)[0])
-        with open(out_path, "ab") as fh:  # and its last write was torn
-            fh.write(b'{"id": "batch_req_x", "custom_id": "c5", "resp')
+        _append(out_path, b'{"id": "batch_req_x", "custom_id": "c5", "resp')  # and its last write was torn
         assert not b.env.leases.acquire(bid).ok
         stack.lease_now.t += 10.5  # a's lease lapses
         assert b.env.leases.acquire(bid).other == "host:1:a"
@@ -277,3 +281,30 @@ def test_a_holder_that_lost_its_lease_writes_nothing(stack):
 
     _run(stack, main())
     assert stack.lines(bid, 0) == [] and stack.record(bid).completed == 0
+
+
+def test_runners_take_over_a_batch_whose_holder_stopped_renewing(stack):
+    from api.batches.runner import BatchRunner
+
+    bid = stack.batch(3)
+    runners = [BatchRunner(dataclasses.replace(stack.feeder(bid, owner).env), scan_s=0.05)
+               for owner in ("host:1:a", "host:2:b")]
+    a, b = runners
+
+    async def main():
+        assert await a.scan() == [bid] and await b.scan() == []
+        await until(lambda: len(stack.job_ids(bid)) == 3)  # a feeds it
+        stack.lease_now.t += 5
+        assert await a.renew() == [] and await b.scan() == []  # a renews: b cannot take it
+        stack.lease_now.t += 10.5  # a stalls past its lease
+        assert await b.scan() == [bid]
+        assert await a.renew() == [bid] and bid not in a.feeders  # a learns it lost it, and stops
+        for j in stack.job_ids(bid):
+            stack.finish(j)  # b collects the jobs a made
+        await until(lambda: stack.record(bid).status is BatchStatus.COMPLETED)
+        await until(lambda: bid not in b.feeders)
+        await a.close()
+        await b.close()
+
+    _run(stack, main())
+    assert len(stack.lines(bid, 0)) == 3 and stack.r.hget(f"llmpipe:batch-lease:{bid}", "holder") is None

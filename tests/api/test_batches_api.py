@@ -70,7 +70,8 @@ def test_files_round_trip(client, app_client, tmp_path):
     assert err.value.body["type"] == "not_found"
     assert app_client.get(f"/v1/files/{a.id}/content").status_code == 404
     assert not list((tmp_path / "batches" / "files").glob(f"{a.id}*"))
-    assert app_client.get("/v1/files", params={"after": "file-nope"}).status_code == 400
+    r = app_client.get("/v1/files", params={"after": "file-nope"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "after"
 
 
 def test_an_upload_over_its_limit_is_refused_as_it_streams(client, app_client, tmp_path):
@@ -88,17 +89,23 @@ def test_an_upload_over_its_limit_is_refused_as_it_streams(client, app_client, t
     ({"json": {"purpose": "batch"}}, "file"),
     ({"files": {"file": ("a", b"{}")}, "data": {"purpose": "batch", "expires_after[anchor]": "created_at",
                                                 "expires_after[seconds]": "60"}}, "expires_after[seconds]"),
+    ({"files": {"file": ("a", b"{}")}, "data": {"purpose": "batch", "expires_after[anchor]": "last_used"}},
+     "expires_after[anchor]"),
 ])
 def test_a_bad_upload_is_400_naming_the_field(app_client, kw, param):
     r = app_client.post("/v1/files", **kw)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
-def test_expires_after(app_client):
-    r = app_client.post("/v1/files", files={"file": ("a", b"{}")},
-                        data={"purpose": "batch", "expires_after[anchor]": "created_at", "expires_after[seconds]": "3600"})
+@pytest.mark.parametrize("fields,ttl", [
+    ({"expires_after[anchor]": "created_at", "expires_after[seconds]": "3600"}, 3600),
+    ({"expires_after[seconds]": "7200"}, 7200),  # created_at is the only anchor
+    ({"expires_after[anchor]": "created_at"}, 30 * 24 * 3600),  # no seconds: the retention
+])
+def test_expires_after(app_client, fields, ttl):
+    r = app_client.post("/v1/files", files={"file": ("a", b"{}")}, data={"purpose": "batch", **fields})
     f = r.json()
-    assert r.status_code == 200 and f["expires_at"] - f["created_at"] == 3600
+    assert r.status_code == 200 and f["expires_at"] - f["created_at"] == ttl
 
 
 @pytest.mark.parametrize("lines,errors", [
