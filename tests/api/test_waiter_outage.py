@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from llmpipe.local.redis_server import EmbeddedRedis
 from llmpipe.settings import Settings
+from tests.harness.brokers import forget_broker_pools
 
 
 @pytest.fixture
@@ -28,6 +29,7 @@ def outage(redis_server, redis_client, tmp_path, tiny_model):
     finally:
         if not server.running:
             server.start()
+        forget_broker_pools()  # the server restarted: no later Celery app may get a stale connection
 
 
 def _long_poll(client, job_id, out):

@@ -4,7 +4,7 @@ consumers on llmpipe's lease transport for tests that drive it without Celery.
 The pipelines that exercise the broker run once per broker in LLMPIPE_TEST_BROKERS (default
 both). A test on such a pipeline runs on RabbitMQ only when it is marked ``each_broker``
 (tests/harness/plugin.py deselects the others), so the second broker costs only the tests it
-can change. Each RabbitMQ user gets a vhost of its own where rabbitmqctl is there."""
+can change. Each session gets a RabbitMQ vhost of its own where rabbitmqctl is there."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import subprocess
 import time
 from urllib.parse import quote
 
+import kombu.pools
 import pytest
 from kombu import Connection, Consumer, Producer, Queue
 
@@ -76,6 +77,16 @@ def reset_broker_queues(url: str) -> None:
                     ch.close()
                 except Exception:
                     pass
+
+
+def forget_broker_pools() -> None:
+    """For a test that restarted a Redis on the same URL: kombu keeps one pool of broker
+    connections per URL for the whole process (kombu.pools, shared by every Celery app), so
+    a Celery app made afterwards would be handed a connection to the old server and fail
+    with "Connection closed by server". Forgotten, the pools are made anew on next use;
+    apps that hold theirs already keep it (and reconnect as they do in service)."""
+    kombu.pools.connections.clear()
+    kombu.pools.producers.clear()
 
 
 # -- kombu on the lease transport ----------------------------------------------------------
