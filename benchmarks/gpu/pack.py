@@ -30,7 +30,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[2]
-LOCK = ROOT / "scripts" / "gpu-wheels.txt"
+LOCK = Path(__file__).resolve().parent / "wheels.txt"
 LIMIT_BYTES = 64 * 2**20  # what travels with one device call, the working tree included
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64"]

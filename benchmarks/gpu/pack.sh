@@ -5,7 +5,7 @@
 # checks that everything that travels is under 64 MiB, and prints the carry list.
 #   benchmarks/gpu/pack.sh [--relock] [--dest DIR] [--python-version 3.12]
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

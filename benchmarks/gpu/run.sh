@@ -9,7 +9,7 @@
 # Environment: PYTHON (default python3), LLMPIPE_WHEELS (default .whl), LLMPIPE_SITE (where
 # the wheels go, default /tmp/llmpipe-site), OUT (default gpu-results; --out wins).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 WHEELS=${LLMPIPE_WHEELS:-.whl}
 SITE=${LLMPIPE_SITE:-/tmp/llmpipe-site}
