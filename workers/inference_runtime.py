@@ -16,9 +16,11 @@ from llmpipe.broker.queue_depth import AmqpDepths
 from llmpipe.jobs import cancel
 from llmpipe.jobs.lanes import Lane, batch_lane_slots, lane_for, queue_keys
 from llmpipe.jobs.streaming import TokenPublisher, read_published
+from llmpipe.messages import Detokenizing
 from llmpipe.models.served import ServedModel
 from llmpipe.observability import metrics
-from llmpipe.processors.inference_processor import InferenceProcessor
+from llmpipe.parsing.streams import make_stream
+from llmpipe.processors.inference_processor import PROMPT_TAIL, InferenceProcessor
 from llmpipe.settings import Settings
 from llmpipe.stages import Stage
 from workers.engine_death import engine_died
@@ -61,10 +63,6 @@ def stream_parser(resources: Any):
     _ = parser.cls  # imports vLLM's parsers (this worker has vLLM imported already) and checks them
 
     def make(req: Any, prefix: list[int]) -> Any:
-        from llmpipe.messages import Detokenizing
-        from llmpipe.parsing.streams import make_stream
-        from llmpipe.processors.inference_processor import PROMPT_TAIL
-
         return make_stream(parser.stream(req.parsing, req.prompt_token_ids), parser.tokenizer,
                            req.prompt_token_ids[-PROMPT_TAIL:], req.params.stop, Detokenizing.of(req.params), prefix)
 

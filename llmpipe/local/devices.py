@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 
+from llmpipe.engines.platform import Platform, detect_platform
 from llmpipe.settings import Settings
 
 _PARALLEL = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")
@@ -32,8 +33,6 @@ def gpus_per_worker(s: Settings) -> int:
 
 def visible_gpus(env: Mapping[str, str] | None = None) -> list[str]:
     """The GPUs this process may use, named as CUDA_VISIBLE_DEVICES names them; none on the CPU."""
-    from llmpipe.engines.platform import Platform, detect_platform
-
     env = os.environ if env is None else env
     if detect_platform() is not Platform.CUDA:
         return []
