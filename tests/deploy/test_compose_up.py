@@ -48,7 +48,7 @@ from tests.harness.engine import TEST_ENGINE_ENV
 from tests.harness.watch import ResultWatch
 
 pytestmark = [pytest.mark.compose, pytest.mark.integration, pytest.mark.slow, pytest.mark.each_broker,
-              pytest.mark.timeout(1200)]
+              pytest.mark.timeout(1800)]
 
 PROJECT = "llmpipe-e2e"
 MODEL = "tiny"
@@ -135,13 +135,15 @@ def stack(cli, images_env, broker, tmp_path_factory):
     s.broker = broker
     s.expected = [n for n in s.services() if n != UNUSED]
     t0 = time.monotonic()
-    s.run("up", "-d", "--no-build", "--scale", f"{UNUSED}=0", timeout=900)
-    s.wait(lambda: not s.unready(s.expected), HEALTHY_TIMEOUT_S, "every service up and healthy")
-    _report(f"healthy_s[{broker}]", time.monotonic() - t0)
-    yield s
-    if project_objects(PROJECT)["containers"]:  # a failed run: leave nothing behind
-        print(s.logs(tail=80)[-8000:])
-        s.run("down", "-v", "--remove-orphans", "-t", "10", check=False)
+    try:
+        s.run("up", "-d", "--no-build", "--scale", f"{UNUSED}=0", timeout=900)
+        s.wait(lambda: not s.unready(s.expected), HEALTHY_TIMEOUT_S, "every service up and healthy")
+        _report(f"healthy_s[{broker}]", time.monotonic() - t0)
+        yield s
+    finally:
+        if project_objects(PROJECT)["containers"]:  # a failed run: leave nothing behind
+            print(s.logs(tail=80)[-8000:])
+            s.run("down", "-v", "--remove-orphans", "-t", "10", check=False)
 
 
 def _client(stack) -> httpx.Client:
@@ -290,7 +292,18 @@ def test_redis_restart_loses_no_accepted_job(stack):
     with _client(stack) as c:
         views = {j: _wait_job(c, j) for j in accepted}
     print(f"\nredis restart ({stack.broker}): {len(accepted)} accepted, answers {dict(codes)}")
-    assert {j: v["status"] for j, v in views.items() if v["status"] != "succeeded"} == {}
+    lost = {j: v for j, v in views.items() if v["status"] != "succeeded"}
+    assert lost == {}, _job_trail(stack, lost)
+
+
+def _job_trail(stack, views: dict[str, dict]) -> str:
+    """What the containers logged of these jobs, for a failure's message."""
+    logs = stack.logs(tail=3000).splitlines()
+    out = []
+    for j, v in views.items():
+        out.append(f"job {j}: {json.dumps(v)[:600]}")
+        out += [ln[:400] for ln in logs if j in ln][-40:]
+    return "\n".join(out)
 
 
 def test_down_leaves_nothing_of_the_project(stack):
