@@ -14,7 +14,7 @@ from functools import cached_property
 
 import redis
 
-from llmpipe.broker.redis_clients import connect, from_settings
+from llmpipe.broker.redis_clients import connect, from_settings, ride_through_retry
 from llmpipe.engines.factory import create_engine
 from llmpipe.engines.owner import EngineOwner
 from llmpipe.jobs import admission
@@ -142,7 +142,8 @@ class WorkerContext:
 
     @cached_property
     def redis(self) -> redis.Redis:
-        return from_settings(self.settings, socket_timeout=5, socket_connect_timeout=3, health_check_interval=30)
+        return from_settings(self.settings, socket_timeout=5, socket_connect_timeout=3, health_check_interval=30,
+                             retry=ride_through_retry())
 
     @cached_property
     def jobs(self) -> JobStore:

@@ -288,6 +288,18 @@ def bench_batch(o: BatchBenchOptions, out: Path, console: Console) -> dict:
     return res
 
 
+def met(res: dict) -> bool:
+    """Whether every figure that ran met its target."""
+    ok = []
+    if "throughput" in res:
+        ok.append((res["throughput"]["ratio"] or 0) >= TARGETS["throughput_ratio"])
+    if "interactive" in res:
+        ok += [r is not None and r <= TARGETS["ttft_ratio"] for r in res["interactive"]["ratio"].values()]
+    if "crash" in res:
+        ok.append(res["crash"]["exactly_once"])
+    return all(ok)
+
+
 def _f(x, fmt: str = "{:.1f}") -> str:
     return "-" if x is None else fmt.format(x)
 

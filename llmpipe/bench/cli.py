@@ -49,7 +49,9 @@ def _kind(value: str) -> str:
 @click.option("--modes", callback=_csv(str), help=f"Comma-separated subset of: {', '.join(MODES)} (default: per "
               "engine); or scaling, alone; or priority, alone (lanes: a batch backlog, interactive at 1 req/s); or "
               "multiworker, alone (prefix-aware routing against the shared queue, and failover; "
-              "python -m llmpipe.bench.multiworker --help for its own options).")
+              "python -m llmpipe.bench.multiworker --help for its own options); or batch, alone (the Batch API "
+              "against vllm run_batch, interactive TTFT under a draining batch, crashes; --requests lines; "
+              "python -m llmpipe.bench.batch --help for its own options).")
 @click.option("--concurrency", callback=_csv(int), help="Closed loop: comma-separated client counts (default: per engine).")
 @click.option("--rate", callback=_csv(float), help="Open loop instead: comma-separated Poisson arrival rates (req/s).")
 @click.option("--requests", type=int, help="Requests per load point and request kind (default: per engine and mode).")
@@ -98,7 +100,7 @@ def bench(ctx, **kw):
     why = missing()
     if why:
         console.print(f"[yellow]{why}[/]")
-    for alone in ("scaling", "priority", "multiworker"):
+    for alone in ("scaling", "priority", "multiworker", "batch"):
         if a.modes and alone in a.modes and (a.modes != [alone] or a.rate):
             raise click.BadParameter(f"{alone} runs alone (no other mode, no --rate)", param_hint="--modes")
     if a.modes == ["scaling"]:
@@ -115,7 +117,20 @@ def bench(ctx, **kw):
         o = MultiOptions(model=a.model or "smollm2", workers=(a.workers or [2])[0], requests=a.requests or 240,
                          concurrency=(a.concurrency or [16])[0], max_tokens=a.max_tokens or 32)
         sys.exit(run_multiworker(quick(o) if a.quick else o, a.out / "multiworker", console))
+    if a.modes == ["batch"]:
+        sys.exit(_batch(a, console))
     sys.exit(_run(a, console))
+
+
+def _batch(a: SimpleNamespace, console: Console) -> int:
+    """The Batch API's figures (llmpipe/bench/batch.py); 1 when a target is missed."""
+    from llmpipe.bench.batch import BatchBenchOptions, bench_batch, met
+
+    o = BatchBenchOptions(model=a.model or "smollm2", lines=a.requests or 2000, max_tokens=a.max_tokens or 64,
+                          prompt_tokens=a.prompt_tokens or 128)
+    res = bench_batch(o, a.out / "batch", console)
+    console.print((a.out / "batch" / "batch.md").read_text(), markup=False, highlight=False)
+    return 0 if met(res) else 1
 
 
 def _sim(a: SimpleNamespace) -> dict:

@@ -174,6 +174,14 @@ def fail_fast_retry() -> Retry:
     return Retry(ExponentialBackoff(cap=0.2, base=0.02), 3)
 
 
+def ride_through_retry() -> Retry:
+    """For the workers' clients: retries for about 12 s, as long as a Redis restart takes
+    (a restart under docker compose: under a second; a Sentinel failover: seconds), so that
+    a stage's job-store write waits for Redis instead of failing the task. A task that still
+    fails this way goes back to its queue (llmpipe/broker/requeue.py)."""
+    return Retry(ExponentialBackoff(cap=1.0, base=0.05), 16)
+
+
 def from_settings(s: Any, **kwargs: Any) -> redis.Redis:
     """A client of the settings' Redis (``redis_url``, ``redis_sentinel_master``)."""
     return connect(s.redis_url, s.redis_sentinel_master, **kwargs)

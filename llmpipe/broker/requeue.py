@@ -1,13 +1,17 @@
-"""A task that failed only because the broker refused its next stage goes back to its queue.
+"""A task that failed only because the broker or Redis was unreachable goes back to its queue.
 
 After its body, a stage publishes the next stage's message (Celery's chain). When the
 broker is unreachable then (a Redis broker restarting), Celery fails the task with kombu's
-``OperationalError``. Recorded as a failure, the job would fail although its work is done;
-so this failure is not recorded (llmpipe/broker/result_backend.py), not dead-lettered
-(workers/signals.py), and the message is rejected with requeue: the broker delivers it
-again and the stage's memo replays its result (llmpipe/jobs/memo.py). When the reject
-cannot reach the broker either, the broker redelivers it by itself (RabbitMQ when the
-connection drops; Redis by its unacked-message restore).
+``OperationalError``. A stage's body reads and writes the job store in Redis, which on
+RabbitMQ is not the broker: a Redis restart there fails the body with redis-py's connection
+errors once the client's retries (llmpipe/broker/redis_clients.py ride_through_retry) run
+out. Recorded as a failure, the job would fail (or, with Redis away, be lost until its
+deadline) although nothing was wrong with it; so this failure is not recorded
+(llmpipe/broker/result_backend.py), not dead-lettered (workers/signals.py), and the message
+is rejected with requeue: the broker delivers it again and the stage's memo replays what
+was done (llmpipe/jobs/memo.py). When the reject cannot reach the broker either, the broker
+redelivers it by itself (RabbitMQ when the connection drops; Redis by its unacked-message
+restore).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from celery.worker.request import Request
 from celery.worker.state import task_ready
 from kombu.exceptions import OperationalError
 
+from llmpipe.broker.redis_clients import UNAVAILABLE_ERRORS
 from llmpipe.observability.summaries import args_repr
 from llmpipe.settings import get_settings
 
@@ -26,8 +31,9 @@ log = logging.getLogger("llmpipe.worker")
 
 
 def requeued_on(exc: BaseException | None) -> bool:
-    """Whether a task that raised ``exc`` is requeued rather than failed: the broker was unreachable."""
-    return isinstance(exc, OperationalError)
+    """Whether a task that raised ``exc`` is requeued rather than failed: the broker or Redis
+    was unreachable."""
+    return isinstance(exc, (OperationalError, *UNAVAILABLE_ERRORS))
 
 
 class RequeueRequest(Request):
@@ -37,7 +43,7 @@ class RequeueRequest(Request):
         if not (requeued_on(exc) and self.task.acks_late):
             return super().on_failure(exc_info, send_failed_event=send_failed_event, return_ok=return_ok)
         task_ready(self)
-        log.warning("task=%s[%s] could not publish its next stage (%s: %s); its message goes back to the queue",
+        log.warning("task=%s[%s] could not reach the broker or Redis (%s: %s); its message goes back to the queue",
                     self.name, self.id, type(exc).__name__, exc)
         try:
             self.reject(requeue=True)

@@ -252,3 +252,17 @@ def test_the_leased_transport_runs_over_the_sentinel(sentinel):
         assert master.zcard(LEASES_KEY) == 1  # the consumer's lease, on the master
         assert not master.hlen("unacked")  # every claim acked
     assert got == [{"i": 0}, {"i": 1}, {"i": 2}]
+
+
+def test_a_workers_client_waits_out_a_redis_restart():
+    """The workers' retries last longer than a restart (under a second here under docker
+    compose, seconds for a Sentinel failover); the API's stay short (it answers 503)."""
+    from redis.retry import Retry
+
+    from llmpipe.broker.redis_clients import fail_fast_retry, ride_through_retry
+
+    def waits(r: Retry) -> float:
+        return sum(r._backoff.compute(i) for i in range(1, r._retries + 1))
+
+    assert waits(ride_through_retry()) >= 10.0
+    assert waits(fail_fast_retry()) <= 0.5

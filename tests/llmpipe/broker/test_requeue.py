@@ -1,9 +1,10 @@
-"""RequeueRequest: a task failed by an unreachable broker is requeued, not failed. No worker:
+"""RequeueRequest: a task failed by an unreachable broker or Redis is requeued, not failed. No worker:
 Celery's own Request on a mock message (celery.contrib.testing.mocks)."""
 
 from unittest.mock import Mock
 
 import pytest
+import redis
 from billiard.einfo import ExceptionInfo
 from celery import Celery
 from celery.contrib.testing.mocks import TaskMessage
@@ -39,9 +40,14 @@ def _einfo(exc):
         return ExceptionInfo()
 
 
-def test_a_refused_next_stage_requeues_the_message(app):
+@pytest.mark.parametrize("exc", [
+    OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused."),  # the next stage refused
+    # the job store's Redis gone mid-body, past the client's retries (RabbitMQ as the broker)
+    redis.ConnectionError("Error while reading from redis:6379 : (104, 'Connection reset by peer')"),
+], ids=["broker", "job-store"])
+def test_an_unreachable_broker_or_job_store_requeues_the_message(app, exc):
     req, msg = _request(app)
-    req.on_failure(_einfo(OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")))
+    req.on_failure(_einfo(exc))
     msg.on_reject.assert_called_once()
     assert msg.on_reject.call_args.args[-1] is True  # requeue
     msg.on_ack.assert_not_called()
@@ -62,5 +68,10 @@ def test_any_other_failure_is_handled_as_celery_does(app):
     msg.on_ack.assert_called_once()  # acks_late: acked on failure (Celery's default)
 
 
-def test_only_broker_errors_requeue():
+def test_only_an_unreachable_broker_or_redis_requeues():
     assert requeued_on(OperationalError("x")) and not requeued_on(RuntimeError("x")) and not requeued_on(None)
+    # the job store's Redis restarting (on RabbitMQ it is not the broker), or a failover's replica
+    for exc in (redis.ConnectionError("reset"), redis.TimeoutError("slow"), redis.ReadOnlyError("replica"),
+                redis.BusyLoadingError("loading")):
+        assert requeued_on(exc), exc
+    assert not requeued_on(redis.ResponseError("WRONGTYPE"))  # a bug, not an outage
