@@ -77,8 +77,15 @@ def load_settings(**overrides) -> Settings:
               help="Inference workers per served model (default 1): N for every model, or NAME=N for one "
                    "(repeatable). On CUDA each gets GPUs of its own (tensor_parallel_size each); requests go "
                    "to the worker that caches their prompt's prefix (prefix_routing).")
+@click.option("--enable-auto-tool-choice", "enable_auto_tool_choice", is_flag=True, default=None,
+              help="As vllm serve's: tool_choice auto for the models' tool parser (needs --tool-call-parser).")
+@click.option("--tool-call-parser", help="vLLM's tool-call parser for every served model (hermes, llama3_json, ...).")
+@click.option("--reasoning-parser", help="vLLM's reasoning parser for every served model (qwen3, deepseek_r1, ...).")
+@click.option("--trust-request-chat-template", "trust_request_chat_template", is_flag=True, default=None,
+              help="As vllm serve's: a request may bring its own chat_template.")
 def up(model, engine, redis_url, cpu_workers, batch_window_ms, max_batch_size, port, flower_port, no_flower,
-       config_file, state_dir, ready_timeout, quiet, verbose, engine_args, print_config, inference_workers):
+       config_file, state_dir, ready_timeout, quiet, verbose, engine_args, print_config, inference_workers,
+       **parsers):
     """Start Redis (if needed), the workers, the API and Flower; Ctrl-C stops them."""
     if config_file:
         os.environ["LLMPIPE_CONFIG"] = os.path.abspath(config_file)
@@ -89,7 +96,7 @@ def up(model, engine, redis_url, cpu_workers, batch_window_ms, max_batch_size, p
     s = load_settings(**_model_overrides(model), engine=engine, redis_url=redis_url, cpu_workers=cpu_workers,
                       batch_window_ms=batch_window_ms, max_batch_size=max_batch_size, api_port=port,
                       flower_port=flower_port, state_dir=state_dir, engine_args=passed,
-                      inference_workers=_workers_override(inference_workers))
+                      inference_workers=_workers_override(inference_workers), **parsers)
     if print_config:
         try:
             click.echo(describe_config(s))

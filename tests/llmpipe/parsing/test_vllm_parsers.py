@@ -7,6 +7,7 @@ ending equal to the finished output. vLLM is imported here (seconds), as in a wo
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -150,3 +151,26 @@ def test_structured_outputs_round_trip_through_vllms_type():
     assert from_vllm_structured(to_vllm_structured(s)) == s
     j = StructuredOutput(json_schema={"type": "object"}, disable_any_whitespace=True)
     assert from_vllm_structured(to_vllm_structured(j)) == j
+
+
+def test_up_takes_vllm_serves_parser_flags(monkeypatch, tmp_path):
+    """`llmpipe up` takes the parser flags as `vllm serve` spells them; an unknown parser stops
+    the start naming the setting; unset flags leave the environment's settings alone."""
+    from click.testing import CliRunner
+
+    from llmpipe.cli import main
+
+    for k in [k for k in os.environ if k.startswith("LLMPIPE_")]:
+        monkeypatch.delenv(k)
+    base = ["up", "--print-config", "--state-dir", str(tmp_path)]
+    ok = CliRunner().invoke(main, [*base, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                   "--reasoning-parser", "qwen3", "--trust-request-chat-template"])
+    assert ok.exit_code == 0, ok.output
+    for line in ("enable_auto_tool_choice = true", 'tool_call_parser = "hermes"', 'reasoning_parser = "qwen3"',
+                 "trust_request_chat_template = true"):
+        assert line in ok.output
+    monkeypatch.setenv("LLMPIPE_TRUST_REQUEST_CHAT_TEMPLATE", "true")
+    kept = CliRunner().invoke(main, base)
+    assert kept.exit_code == 0 and "trust_request_chat_template = true" in kept.output, kept.output
+    bad = CliRunner().invoke(main, [*base, "--tool-call-parser", "nope"])
+    assert bad.exit_code == 1 and "tool_call_parser 'nope' is not one of vLLM's parsers" in bad.output
