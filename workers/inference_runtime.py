@@ -107,6 +107,8 @@ def sample_engine(proc: InferenceProcessor, model: str, worker: str = "", every_
     when the processor is shut down."""
     counted = {"prefix_cache_queries": 0.0, "prefix_cache_hits": 0.0}
     counters = {"prefix_cache_queries": metrics.PREFIX_CACHE_QUERIES, "prefix_cache_hits": metrics.PREFIX_CACHE_HITS}
+    for counter in counters.values():  # a worker that has served nothing yet reads 0, not absent
+        counter.labels(model, worker)
     while proc.batcher.running:
         try:
             st = proc.engine.stats()

@@ -215,7 +215,8 @@ def _routing_md(o: dict, rt: dict) -> list[str]:
              "|---|---|---|---|---|---|"]
     for p in rt["points"]:
         s, ttft = p["summary"], p["summary"].get("ttft_s") or {}
-        hits = ", ".join(f"{w.split('@')[0]}: {h:.2f}" for w, h in p["hit_rate"].items() if h is not None)
+        hits = ", ".join(f"{w.split('@')[0]}: " + ("no requests" if h is None else f"{h:.2f}")
+                         for w, h in p["hit_rate"].items())
         routes = ", ".join(f"{k}: {v:.0f}" for k, v in sorted(p["routes"].items()) if v)
         lines.append(f"| {p['condition']} | {_ms(ttft.get('p50'))} | {_ms(ttft.get('p99'))} | "
                      f"{s['output_tok_s']:.1f} | {hits} | {routes or '-'} |")

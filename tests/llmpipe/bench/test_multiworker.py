@@ -48,7 +48,7 @@ def test_the_kv_cache_is_counted_in_tokens_from_the_model_config(tmp_path):
 
 def test_the_report_states_both_figures_and_a_skipped_broker():
     point = {"condition": "prefix-aware routing", "summary": {"ttft_s": {"p50": 0.1, "p99": 0.4}, "output_tok_s": 50.0},
-             "hit_rate": {"inference-1-9@llmpipe": 0.75}, "routes": {"routed/prefix": 12.0}}
+             "hit_rate": {"inference-1-9@llmpipe": 0.75, "inference-2-9@llmpipe": None}, "routes": {"routed/prefix": 12.0}}
     result = {"meta": {"machine": "m", "command": "c"}, "options": {**vars(MultiOptions()), "extra": {}},
               "routing": {"points": [point], "ratio_routed_to_shared": {"ttft_p50": 0.4}, "kv_cache_gib": 1.0,
                           "kv_cache_tokens": 46603, "prefix_set_tokens": 8192,
@@ -57,7 +57,7 @@ def test_the_report_states_both_figures_and_a_skipped_broker():
                             "kill_to_last_done_s": 4.4, "goal_s": 6.0},
                            {"broker": "rabbitmq", "skipped": "ConnectionRefusedError"}]}
     md = markdown(result)
-    assert "| prefix-aware routing | 100 | 400 | 50.0 | inference-1-9: 0.75 | routed/prefix: 12 |" in md
+    assert "| prefix-aware routing | 100 | 400 | 50.0 | inference-1-9: 0.75, inference-2-9: no requests | routed/prefix: 12 |" in md
     assert "~46603 tokens: 5.7x the prefix set" in md and "on the shipped defaults" in md
     assert "| redis | 40 of 40 | [20, 20] | 4.40 (goal <= 6) |" in md and "skipped: ConnectionRefusedError" in md
     assert quick(MultiOptions()).brokers == ("redis",)
@@ -74,7 +74,7 @@ def test_bench_multiworker_quick_runs_both_figures(tmp_path):
     assert [p["routing"] for p in result["routing"]["points"]] == [True, False]
     routed = result["routing"]["points"][0]
     assert routed["summary"]["ok"] == 8 and sum(routed["routes"].values()) == 8
-    assert len(routed["hit_rate"]) == 2  # one per worker
+    assert len(routed["hit_rate"]) == 2  # one per worker, also one that the routing gave nothing
     [f] = result["failover"]
     assert f["broker"] == "redis" and f["succeeded"] == f["jobs"] == 8
     assert (tmp_path / "multiworker" / "multiworker.md").read_text().startswith("# Several inference workers")
