@@ -108,11 +108,13 @@ class Settings(BaseSettings):
     # Tool calls and reasoning, as vllm serve's --enable-auto-tool-choice, --tool-call-parser and
     # --reasoning-parser (vLLM's parser names): for every served model, and per model by its
     # served name in model_parsers ({"qwen": {"reasoning_parser": "qwen3"}}). The chat stages parse
-    # with vLLM's own parser classes (llmpipe/parsing/). trust_request_chat_template: vLLM's
-    # --trust-request-chat-template (a request's own chat_template is refused without it).
+    # with vLLM's own parser classes (llmpipe/parsing/). tool_strict_level: vLLM's
+    # --tool-strict-level (llmpipe/parsing/config.py STRICT_LEVELS). trust_request_chat_template:
+    # vLLM's --trust-request-chat-template (a request's own chat_template is refused without it).
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    tool_strict_level: str = "auto"
     model_parsers: dict[str, dict[str, Any]] = Field(default_factory=dict)
     trust_request_chat_template: bool = False
 
@@ -307,7 +309,8 @@ class Settings(BaseSettings):
     def parsers(self, model: str | None = None) -> ModelParsers:
         """The served model's parsers (llmpipe/parsing/config.py); None: the default model."""
         name = self.served.get(model).name
-        defaults = ModelParsers(self.tool_call_parser, self.reasoning_parser, self.enable_auto_tool_choice)
+        defaults = ModelParsers(self.tool_call_parser, self.reasoning_parser, self.enable_auto_tool_choice,
+                                self.tool_strict_level)
         return resolve_parsers(defaults, self.model_parsers, name)
 
     @property

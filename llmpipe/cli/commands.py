@@ -20,6 +20,7 @@ from llmpipe.local.pipeline import flower_argv
 from llmpipe.models.registry import resolve_model
 from llmpipe.models.smollm2 import prepare_smollm2
 from llmpipe.models.tiny import build_tiny
+from llmpipe.parsing.config import STRICT_LEVELS
 from llmpipe.settings import ConfigFileError, EngineKind, Settings
 from llmpipe.stages import STAGE_QUEUES
 from workers.launch import KIND_ENV, celery_command, worker_argv
@@ -81,6 +82,9 @@ def load_settings(**overrides) -> Settings:
               help="As vllm serve's: tool_choice auto for the models' tool parser (needs --tool-call-parser).")
 @click.option("--tool-call-parser", help="vLLM's tool-call parser for every served model (hermes, llama3_json, ...).")
 @click.option("--reasoning-parser", help="vLLM's reasoning parser for every served model (qwen3, deepseek_r1, ...).")
+@click.option("--tool-strict-level", type=click.Choice(STRICT_LEVELS),
+              help="As vllm serve's: how far a forced tool call is pinned (parameter: every tool's arguments "
+                   "decode to its schema).")
 @click.option("--trust-request-chat-template", "trust_request_chat_template", is_flag=True, default=None,
               help="As vllm serve's: a request may bring its own chat_template.")
 def up(model, engine, redis_url, cpu_workers, batch_window_ms, max_batch_size, port, flower_port, no_flower,

@@ -80,10 +80,11 @@ class ModelParser:
             try:
                 return ParserManager.get_parser(tool_parser_name=p.tool_call_parser, reasoning_parser_name=p.reasoning_parser,
                                                 enable_auto_tools=p.enable_auto_tool_choice, model_name=self.model,
-                                                tokenizer=self.tokenizer)
+                                                tool_strict_level=p.tool_strict_level, tokenizer=self.tokenizer)
             except (TypeError, ValueError, RuntimeError) as exc:
                 raise ParserSetupError(f"model {self.model}: tool_call_parser={p.tool_call_parser!r}, "
-                                       f"reasoning_parser={p.reasoning_parser!r}: {exc}") from exc
+                                       f"reasoning_parser={p.reasoning_parser!r}, "
+                                       f"tool_strict_level={p.tool_strict_level!r}: {exc}") from exc
 
     @property
     def has_tool_parser(self) -> bool:

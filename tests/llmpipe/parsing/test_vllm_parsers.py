@@ -146,6 +146,27 @@ def test_required_and_named_tool_choice_become_guided_decoding(hermes, tiny_toke
     assert out.structured is None and out.skip_special_tokens is True
 
 
+def _tag_contents(structural_tag: str) -> list:
+    return [t["content"]["json_schema"] for t in json.loads(structural_tag)["format"]["tags"]]
+
+
+def test_tool_strict_level_decides_whether_a_forced_calls_arguments_follow_the_schema(tiny_tokenizer):
+    """vLLM's --tool-strict-level: on auto a tool not marked strict gets any JSON as its
+    arguments (a small model may answer a string, which clients that read the arguments as
+    an object refuse); parameter pins every tool's arguments to its parameters schema."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    hi, params = [{"role": "user", "content": "hi"}], SamplingParams(max_tokens=8)
+    auto = ModelParser(tiny_tokenizer, ModelParsers("hermes", None, True), "tiny")
+    out, _ = auto.adjust(_spec(named), params, hi, [5, 6])
+    assert set(map(json.dumps, _tag_contents(out.structured.structural_tag))) == {"true"}
+    strict = ModelParser(tiny_tokenizer, ModelParsers("hermes", None, True, "parameter"), "tiny")
+    for choice in ("required", named):
+        out, _ = strict.adjust(_spec(choice), params, hi, [5, 6])
+        assert all(c == TOOLS[0]["function"]["parameters"] for c in _tag_contents(out.structured.structural_tag))
+    with pytest.raises(ValueError, match="tool_strict_level 'all' is not one of vLLM's levels"):
+        ModelParsers("hermes", None, True, "all").check("")
+
+
 def test_structured_outputs_round_trip_through_vllms_type():
     s = StructuredOutput(regex="a+", whitespace_pattern=r"\s")
     assert from_vllm_structured(to_vllm_structured(s)) == s
@@ -164,10 +185,11 @@ def test_up_takes_vllm_serves_parser_flags(monkeypatch, tmp_path):
         monkeypatch.delenv(k)
     base = ["up", "--print-config", "--state-dir", str(tmp_path)]
     ok = CliRunner().invoke(main, [*base, "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                                   "--reasoning-parser", "qwen3", "--trust-request-chat-template"])
+                                   "--reasoning-parser", "qwen3", "--trust-request-chat-template",
+                                   "--tool-strict-level", "parameter"])
     assert ok.exit_code == 0, ok.output
     for line in ("enable_auto_tool_choice = true", 'tool_call_parser = "hermes"', 'reasoning_parser = "qwen3"',
-                 "trust_request_chat_template = true"):
+                 "trust_request_chat_template = true", 'tool_strict_level = "parameter"'):
         assert line in ok.output
     monkeypatch.setenv("LLMPIPE_TRUST_REQUEST_CHAT_TEMPLATE", "true")
     kept = CliRunner().invoke(main, base)
