@@ -14,6 +14,7 @@ from tests.harness.celery_cli import PlainCelery
 from tests.harness.faults import API_FAULTS
 from tests.harness.shared import lends
 from tests.harness.stacks import pipeline_key, start_pipeline, teardown
+from tests.harness.vllm_pair import PAIR_KEY, Pair
 
 
 @pytest.fixture(scope="session")
@@ -33,6 +34,15 @@ def pipeline(request, borrow):
     """The shared pipeline of each (engine, broker), on the shipped API settings."""
     engine, broker = request.param
     return borrow(engine, broker_url=request.getfixturevalue("rabbitmq_url") if broker == "rabbitmq" else None)
+
+
+@pytest.fixture(scope="module")
+@lends(lambda params: PAIR_KEY)
+def servers(shared_stacks, tmp_path_factory, tiny_model):
+    """(llmpipe URL, vllm serve URL) of the shared pair (tests/harness/vllm_pair.py), started
+    once for the conformance modules."""
+    return shared_stacks.get(PAIR_KEY, lambda: Pair(tmp_path_factory.mktemp("conformance"), tiny_model),
+                             Pair.close).servers
 
 
 API_KEY = "test-key-1"
