@@ -1,6 +1,9 @@
 # The two commands of the README: `make up` serves, `make test` tests. Both set up .venv first.
 ARGS ?=
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist); each runs whole groups of modules (tests/harness/distribute.py).
+TEST_WORKERS ?= 3
+XDIST = -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 .PHONY: bootstrap up test test-fast bench
 
@@ -11,10 +14,10 @@ up: bootstrap
 	.venv/bin/llmpipe up $(ARGS)
 
 test: bootstrap
-	.venv/bin/python -m pytest $(PYTEST_ARGS)
+	.venv/bin/python -m pytest $(XDIST) $(PYTEST_ARGS)
 
 test-fast: bootstrap
-	.venv/bin/python -m pytest -m "not integration and not slow" $(PYTEST_ARGS)
+	.venv/bin/python -m pytest $(XDIST) -m "not integration and not slow" $(PYTEST_ARGS)
 
 bench: bootstrap
 	.venv/bin/llmpipe bench $(ARGS)

@@ -7,8 +7,11 @@ be imported).
 - ``stacks``: a LocalPipeline on the tests' settings (``start_pipeline``), ``teardown``, and
   ``SharedPipeline``, one that the modules asking for the same engine and broker borrow.
 - ``shared``: the session's pool of shared stacks and ``@lends``, which says when each stops.
+- ``distribute``, ``xdist_groups``: the groups of modules one test process runs whole, and
+  the pytest-xdist scheduler that hands them out longest first.
 - ``pipe``: ``Pipe``, a pipeline on its own Redis with the levers the reliability tests pull.
 - ``up``: ``llmpipe up`` as a user runs it (``Up``, ``UpPipe``) and the job helpers on it.
+- ``vllm_pair``: ``vllm serve`` beside an llmpipe pipeline, and the helpers that compare them.
 - ``celery_cli``: ``PlainCelery``, stages started with Celery's own commands.
 - ``faults``: the fault injector's markers, the shipped recovery bounds, the fault pipeline.
 - ``brokers``: the brokers under test, RabbitMQ vhosts, kombu on the lease transport.

@@ -13,10 +13,20 @@ import redis
 from llmpipe.local.redis_server import EmbeddedRedis
 from tests.harness import rows
 from tests.harness.brokers import AMQP_URL, TEST_BROKERS, check_rabbitmq, delete_vhost, make_vhost, reset_broker_queues
+from tests.harness.distribute import distribute
 from tests.harness.shared import POOL, last_users
 from tests.harness.stacks import borrow_pipeline
 
 MODEL_CACHE = Path(os.environ.get("LLMPIPE_TEST_CACHE", Path.home() / ".cache" / "llmpipe-test"))
+
+
+def pytest_configure(config):
+    """The scheduler of the xdist groups (tests/harness/xdist_groups.py), where pytest-xdist
+    runs (a dev dependency; ``-p no:xdist`` turns it off)."""
+    if config.pluginmanager.hasplugin("xdist"):
+        from tests.harness import xdist_groups  # it imports xdist itself
+
+        config.pluginmanager.register(xdist_groups, "llmpipe-xdist-groups")
 
 
 # -- the session's Redis and models ----------------------------------------------------------
@@ -66,8 +76,16 @@ def tiny_tokenizer(tiny_model):
 
 
 # -- brokers (tests/harness/brokers.py) ------------------------------------------------------
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the items
 def pytest_collection_modifyitems(config, items):
-    """A test on a broker-parametrized pipeline runs on RabbitMQ only when marked each_broker."""
+    """A test on a broker-parametrized pipeline runs on RabbitMQ only when marked each_broker;
+    then the groups of tests that one worker runs together, in hand-out order
+    (tests/harness/distribute.py)."""
+    _each_broker(config, items)
+    distribute(items)
+
+
+def _each_broker(config, items):
     keep, drop = [], []
     for item in items:
         cs = getattr(item, "callspec", None)

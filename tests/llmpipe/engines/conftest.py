@@ -1,13 +1,20 @@
-"""Real engines on the tiny model, started once per session (vLLM takes ~10-20 s here)."""
+"""Real engines on the tiny model, started once per session (vLLM takes ~10-20 s here). Both
+are marked ``@lends``, so that under pytest-xdist their users run in one worker
+(tests/harness/distribute.py) and each engine starts once."""
 
 from __future__ import annotations
 
 import pytest
 
+from tests.harness.shared import lends
+
+IN_PROCESS_ENGINES = ("in-process engines",)
+
 MAX_MODEL_LEN = 1024
 
 
 @pytest.fixture(scope="session")
+@lends(lambda params: IN_PROCESS_ENGINES)
 def hf_engine(tiny_model):
     pytest.importorskip("transformers")
     from llmpipe.engines.hf_engine import TransformersEngine
@@ -18,6 +25,7 @@ def hf_engine(tiny_model):
 
 
 @pytest.fixture(scope="session")
+@lends(lambda params: IN_PROCESS_ENGINES)
 def vllm_engine(tiny_model):
     pytest.importorskip("vllm")
     from llmpipe.engines.base import EngineRequest

@@ -1,0 +1,82 @@
+"""The suite in several processes (pytest-xdist: ``make test`` runs ``-n 2 --dist loadgroup
+--no-loadscope-reorder``): which tests one worker must run together, and in what order
+the groups are handed out.
+
+A group is what one worker runs whole, in collection order: a module (so that its
+module-scoped stacks start once) joined with every module that borrows the same shared
+stack (its ``@lends`` keys: tests/harness/shared.py), so that no stack starts in two
+workers. The groups go out longest first (``LONGEST``), so that the run does not end with
+one worker alone on the Compose test while the other idles; the rest keep the order
+they were collected in. Without xdist the marks do nothing and only the order changes."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import pytest
+
+from tests.harness.shared import keys_of
+
+# The modules that run longest in `make test` (its durations report), longest first: each
+# one's group is handed out before every other group.
+LONGEST = (
+    "tests/deploy/test_compose_up.py",
+    "tests/reliability/test_kill_matrix.py",
+    "tests/reliability/test_overload.py",
+    "tests/llmpipe/bench/test_multiworker.py",
+    "tests/reliability/test_worker_failover.py",
+    "tests/llmpipe/local/test_up_inference_workers.py",
+)
+
+
+class _Groups:
+    """Union-find over modules and shared-stack keys."""
+
+    def __init__(self):
+        self.parent: dict[Hashable, Hashable] = {}
+
+    def find(self, x: Hashable) -> Hashable:
+        self.parent.setdefault(x, x)
+        while self.parent[x] != x:
+            self.parent[x] = self.parent[self.parent[x]]
+            x = self.parent[x]
+        return x
+
+    def join(self, a: Hashable, b: Hashable) -> None:
+        self.parent[self.find(a)] = self.find(b)
+
+
+def module_of(item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def group_names(items) -> dict[str, str]:
+    """Each module -> the name of its group (the group's first module in collection order)."""
+    g = _Groups()
+    for item in items:
+        mod = ("module", module_of(item))
+        g.find(mod)
+        for key in keys_of(item):
+            g.join(("stack", key), mod)
+    first: dict[Hashable, str] = {}
+    for item in items:
+        first.setdefault(g.find(("module", module_of(item))), module_of(item))
+    return {module_of(i): first[g.find(("module", module_of(i)))] for i in items}
+
+
+def _rank(group: str, members: set[str]) -> int:
+    ranks = [LONGEST.index(m) for m in members if m in LONGEST]
+    return min(ranks) if ranks else len(LONGEST)
+
+
+def distribute(items: list) -> None:
+    """Marks each item with its group (``xdist_group``) and puts the groups in hand-out
+    order, each one's items together and in their collected order."""
+    names = group_names(items)
+    members: dict[str, set[str]] = {}
+    for mod, group in names.items():
+        members.setdefault(group, set()).add(mod)
+    order = {group: i for i, group in enumerate(dict.fromkeys(names[module_of(i)] for i in items))}
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(names[module_of(item)]))
+    items.sort(key=lambda i: (_rank(names[module_of(i)], members[names[module_of(i)]]), order[names[module_of(i)]]))
