@@ -2,7 +2,7 @@
 ARGS ?=
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist); each runs whole groups of modules (tests/harness/distribute.py).
-TEST_WORKERS ?= 3
+TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 
 .PHONY: bootstrap up test test-fast bench

@@ -1,6 +1,6 @@
-"""The suite in several processes (pytest-xdist: ``make test`` runs ``-n 2 --dist loadgroup
---no-loadscope-reorder``): which tests one worker must run together, and in what order
-the groups are handed out.
+"""The suite in several processes (pytest-xdist: ``make test`` runs ``-n 2``, handed out by
+tests/harness/xdist_groups.py): which tests one worker must run together, and in what
+order the groups are handed out.
 
 A group is what one worker runs whole, in collection order: a module (so that its
 module-scoped stacks start once) joined with every module that borrows the same shared
