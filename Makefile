@@ -1,7 +1,8 @@
 # The two commands of the README: `make up` serves, `make test` tests. Both set up .venv first.
 ARGS ?=
 PYTEST_ARGS ?=
-# Test processes (pytest-xdist); each runs whole groups of modules (tests/harness/distribute.py).
+# Test processes (pytest-xdist); each runs whole groups of modules (tests/harness/distribute.py),
+# handed out by tests/harness/xdist_groups.py, which stands in for the --dist given here.
 TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder
 

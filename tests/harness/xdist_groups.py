@@ -17,6 +17,7 @@ import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 GROUPS_KEY = "llmpipe_groups_file"
+GROUPS_FILE = pytest.StashKey[str]()  # the controller's file of the groups
 
 
 @pytest.hookimpl(trylast=True)  # after tests/harness/plugin.py marked the groups
@@ -38,13 +39,13 @@ class GroupScheduling(LoadScopeScheduling):
     def __init__(self, config, log=None):
         super().__init__(config, log)
         self._groups: dict[str, str] | None = None
-        self._path = Path(config._llmpipe_groups_file)
+        self._path = Path(config.stash[GROUPS_FILE])
 
     def _split_scope(self, nodeid: str) -> str:
         # Called once the workers' collections are complete: gw0 wrote the file in its
         # collection, before it reported it.
-        if self._groups is None:
-            self._groups = json.loads(self._path.read_text())
+        if self._groups is None:  # absent if gw0's collection failed: modules stay whole
+            self._groups = json.loads(self._path.read_text()) if self._path.exists() else {}
         return self._groups.get(nodeid, nodeid.split("::", 1)[0])
 
 
@@ -58,17 +59,17 @@ def pytest_configure(config):
         fd, path = tempfile.mkstemp(prefix="llmpipe-xdist-groups-", suffix=".json")
         os.close(fd)
         os.unlink(path)
-        config._llmpipe_groups_file = path
+        config.stash[GROUPS_FILE] = path
 
 
 def pytest_unconfigure(config):
-    path = getattr(config, "_llmpipe_groups_file", None)
+    path = config.stash.get(GROUPS_FILE, None)
     if path:
         Path(path).unlink(missing_ok=True)
 
 
 def pytest_configure_node(node):
-    node.workerinput[GROUPS_KEY] = node.config._llmpipe_groups_file
+    node.workerinput[GROUPS_KEY] = node.config.stash[GROUPS_FILE]
 
 
 def pytest_xdist_make_scheduler(config, log):
