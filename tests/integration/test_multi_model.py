@@ -81,7 +81,8 @@ def test_two_models_route_right_and_one_dead_worker_leaves_the_other_alone(two_m
 
     # 2. b's inference worker dies: a's jobs do not notice, b's wait in b's queue.
     _kill(p.sup.get("inference.b"))
-    waiting = _submit(url, "b", PROMPTS[0], timeout=120)
+    # Long enough to outlive b's restart below: a vLLM start on a busy machine takes minutes.
+    waiting = _submit(url, "b", PROMPTS[0], timeout=600)
     short = _submit(url, "b", PROMPTS[1], timeout=2)
     alone_a = [_tokens(url, _submit(url, "a", prompt)) for prompt in PROMPTS]
     assert alone_a == both["a"]
@@ -96,5 +97,7 @@ def test_two_models_route_right_and_one_dead_worker_leaves_the_other_alone(two_m
     # 3. b comes back while a is gone: the job that waited completes, as b answered before.
     _kill(p.sup.get("inference.a"))
     p.sup.respawn(p.sup.get("inference.b"))
+    wait_until(lambda: httpx.get(f"{url}/healthz").json().get("error", {}).get("stages") == ["inference.a"], 300,
+               "/healthz to see b's worker back and a's gone")
     assert _tokens(url, waiting) == both["b"][0]
     assert _view(url, short)["status"] == "expired"  # its deadline passed: never run late
