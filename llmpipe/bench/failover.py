@@ -2,7 +2,9 @@
 N`` run as a user runs it (a subprocess on the shipped defaults, nothing else set but the
 broker), ``jobs`` jobs in flight on every worker, ``kill -9`` of the first inference worker's
 main process; the time from the kill to the last job done (the job records' terminal
-writes), and whether every job succeeded. The supervisor restarts the killed worker; the
+writes), and whether every job succeeded. A control run first (other prompts of the same
+shape, no kill) times the same moment to the last job done, so the figure also shows what
+the failover adds to the time the backlog takes anyway. The supervisor restarts the killed worker; the
 figure does not wait for it: the other workers finish the jobs."""
 
 from __future__ import annotations
@@ -106,20 +108,43 @@ def failover(o: Any, broker: str, broker_url: str | None, state: Path, console: 
         nodes = [f"{Stage.INFERENCE.value}-{i}-{port}@llmpipe" for i in range(1, o.workers + 1)]
         queues = [worker_queue(Stage.INFERENCE.value, n) for n in nodes]
         api = f"http://127.0.0.1:{port}"
-        bodies = [{"prompt": p, "max_tokens": o.failover_max_tokens, "temperature": 1.0, "ignore_eos": True}
-                  for p in make_prompts(tokenizer, o.failover_jobs, 128, seed=3)]
+        # Prompts of other seeds for the two runs: the kill run must not find the control's
+        # prompts in the prefix cache.
+        control_bodies, bodies = ([{"prompt": p, "max_tokens": o.failover_max_tokens, "temperature": 1.0,
+                                    "ignore_eos": True} for p in make_prompts(tokenizer, o.failover_jobs, 128, seed=s)]
+                                  for s in (4, 3))
+        store = JobStore(r, 3600)
         with httpx.Client(base_url=api, timeout=60) as http:
-            jobs = [http.post("/v1/jobs", json=b).json()["id"] for b in bodies]
-        end = time.monotonic() + 120
-        while time.monotonic() < end and not all(_loads(r, queues)):
-            time.sleep(0.05)
-        held = _loads(r, queues)
-        victim = _worker_pid(proc.pid, nodes[0])
-        t_kill = time.time()
-        os.kill(victim, signal.SIGKILL)  # the process alone, as `kill -9 PID` does
-        recs = _wait_done(JobStore(r, 3600), jobs, 600)
+            # The control: the same jobs with no kill, so that the figure shows what the
+            # failover adds to the time the backlog takes anyway.
+            _, t_control, control = _in_flight(http, r, queues, control_bodies, store, None)
+            held, t_kill, recs = _in_flight(http, r, queues, bodies, store, _worker_pid(proc.pid, nodes[0]))
     finally:
         stop_up(proc, server)
+    statuses = [rec.status.value for rec in recs.values()]
+    kill_s, control_s = _last(recs) - t_kill, _last(control) - t_control
+    return {"broker": broker, "jobs": len(recs), "succeeded": statuses.count("succeeded"), "held_at_kill": held,
+            "kill_to_last_done_s": round(kill_s, 2), "control_last_done_s": round(control_s, 2),
+            "added_by_failover_s": round(kill_s - control_s, 2), "workers": o.workers,
+            "max_tokens": o.failover_max_tokens, "settings": o.extra or "the shipped defaults", "goal_s": 6.0}
+
+
+def _in_flight(http: httpx.Client, r: redis.Redis, queues: list[str], bodies: list[dict], store: JobStore,
+               victim: int | None) -> tuple[list[int], float, dict[str, Any]]:
+    """Submits ``bodies``; once every worker holds some, ``kill -9`` of ``victim`` (None: the
+    control, no kill). Returns (held per worker then, that moment, the terminal records)."""
+    jobs = [http.post("/v1/jobs", json=b).json()["id"] for b in bodies]
+    end = time.monotonic() + 120
+    while time.monotonic() < end and not all(_loads(r, queues)):
+        time.sleep(0.05)
+    held, t = _loads(r, queues), time.time()
+    if victim is not None:
+        os.kill(victim, signal.SIGKILL)  # the process alone, as `kill -9 PID` does
+    return held, t, _wait_done(store, jobs, 600)
+
+
+def _last(recs: dict[str, Any]) -> float:
+    return max(rec.updated_at or 0.0 for rec in recs.values())
     last = max(rec.updated_at or 0.0 for rec in recs.values())
     statuses = [rec.status.value for rec in recs.values()]
     return {"broker": broker, "jobs": len(jobs), "succeeded": statuses.count("succeeded"), "held_at_kill": held,

@@ -231,13 +231,15 @@ def _failover_md(o: dict, rows: list[dict]) -> list[str]:
     lines = ["## Failover: kill -9 of one worker", "",
              (f"`llmpipe up --inference-workers {o['workers']}` on {on}, {o['failover_jobs']} jobs of "
               f"{o['failover_max_tokens']} tokens in flight, kill -9 of inference-1's main process."), "",
-             "| broker | succeeded | held at the kill (per worker) | kill to last job done s |", "|---|---|---|---|"]
+             "| broker | succeeded | held at the kill (per worker) | kill to last job done s | control, no kill s "
+             "| added by the failover s |", "|---|---|---|---|---|---|"]
     for f in rows:
         if "skipped" in f:
-            lines.append(f"| {f['broker']} | skipped: {f['skipped']} | | |")
+            lines.append(f"| {f['broker']} | skipped: {f['skipped']} | | | | |")
         else:
             lines.append(f"| {f['broker']} | {f['succeeded']} of {f['jobs']} | {f['held_at_kill']} | "
-                         f"{f['kill_to_last_done_s']:.2f} (goal <= {f['goal_s']:g}) |")
+                         f"{f['kill_to_last_done_s']:.2f} (goal <= {f['goal_s']:g}) | {f['control_last_done_s']:.2f} | "
+                         f"{f['added_by_failover_s']:.2f} |")
     return lines
 
 

@@ -54,12 +54,13 @@ def test_the_report_states_both_figures_and_a_skipped_broker():
                           "kv_cache_tokens": 46603, "prefix_set_tokens": 8192,
                           "goals": {"ttft_p50": "<= 0.5x", "output_tok_s": ">= 1.0x"}},
               "failover": [{"broker": "redis", "jobs": 40, "succeeded": 40, "held_at_kill": [20, 20],
-                            "kill_to_last_done_s": 4.4, "goal_s": 6.0},
+                            "kill_to_last_done_s": 4.4, "control_last_done_s": 3.1, "added_by_failover_s": 1.3,
+                            "goal_s": 6.0},
                            {"broker": "rabbitmq", "skipped": "ConnectionRefusedError"}]}
     md = markdown(result)
     assert "| prefix-aware routing | 100 | 400 | 50.0 | inference-1-9: 0.75, inference-2-9: no requests | routed/prefix: 12 |" in md
     assert "~46603 tokens: 5.7x the prefix set" in md and "on the shipped defaults" in md
-    assert "| redis | 40 of 40 | [20, 20] | 4.40 (goal <= 6) |" in md and "skipped: ConnectionRefusedError" in md
+    assert "| redis | 40 of 40 | [20, 20] | 4.40 (goal <= 6) | 3.10 | 1.30 |" in md and "skipped: ConnectionRefusedError" in md
     assert quick(MultiOptions()).brokers == ("redis",)
 
 
@@ -77,4 +78,5 @@ def test_bench_multiworker_quick_runs_both_figures(tmp_path):
     assert len(routed["hit_rate"]) == 2  # one per worker, also one that the routing gave nothing
     [f] = result["failover"]
     assert f["broker"] == "redis" and f["succeeded"] == f["jobs"] == 8
+    assert abs(f["added_by_failover_s"] - (f["kill_to_last_done_s"] - f["control_last_done_s"])) <= 0.011
     assert (tmp_path / "multiworker" / "multiworker.md").read_text().startswith("# Several inference workers")
