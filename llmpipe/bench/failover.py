@@ -4,8 +4,8 @@ broker), ``jobs`` jobs in flight on every worker, ``kill -9`` of the first infer
 main process; the time from the kill to the last job done (the job records' terminal
 writes), and whether every job succeeded. A control run first (other prompts of the same
 shape, no kill) times the same moment to the last job done, so the figure also shows what
-the failover adds to the time the backlog takes anyway. The supervisor restarts the killed worker; the
-figure does not wait for it: the other workers finish the jobs."""
+the failover adds to the time the backlog takes anyway. The supervisor restarts the killed
+worker; the figure does not wait for it: the other workers finish the jobs."""
 
 from __future__ import annotations
 
@@ -115,8 +115,8 @@ def failover(o: Any, broker: str, broker_url: str | None, state: Path, console: 
                                   for s in (4, 3))
         store = JobStore(r, 3600)
         with httpx.Client(base_url=api, timeout=60) as http:
-            # The control: the same jobs with no kill, so that the figure shows what the
-            # failover adds to the time the backlog takes anyway.
+            # The control: jobs of the same shape with no kill, so that the figure shows what
+            # the failover adds to the time the backlog takes anyway.
             _, t_control, control = _in_flight(http, r, queues, control_bodies, store, None)
             held, t_kill, recs = _in_flight(http, r, queues, bodies, store, _worker_pid(proc.pid, nodes[0]))
     finally:
@@ -145,8 +145,3 @@ def _in_flight(http: httpx.Client, r: redis.Redis, queues: list[str], bodies: li
 
 def _last(recs: dict[str, Any]) -> float:
     return max(rec.updated_at or 0.0 for rec in recs.values())
-    last = max(rec.updated_at or 0.0 for rec in recs.values())
-    statuses = [rec.status.value for rec in recs.values()]
-    return {"broker": broker, "jobs": len(jobs), "succeeded": statuses.count("succeeded"), "held_at_kill": held,
-            "kill_to_last_done_s": round(last - t_kill, 2), "workers": o.workers,
-            "max_tokens": o.failover_max_tokens, "settings": o.extra or "the shipped defaults", "goal_s": 6.0}
