@@ -41,6 +41,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from api.aio import within
 from llmpipe.broker.redis_clients import DEFAULT_MASTER, aconnect
 from llmpipe.jobs.store import DONE_PATTERN, DONE_PREFIX, done_channel
 
@@ -136,8 +137,7 @@ class JobWaiter:
                 return
         if fut.done():  # the common case: the connection's subscription is long confirmed
             return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(fut), self.confirm_timeout_s)
+        await within(asyncio.shield(fut), self.confirm_timeout_s)
 
     async def _unsubscribe(self, ch: str) -> None:
         self._confirmed.pop(ch, None)
@@ -258,11 +258,12 @@ class JobWaiter:
                 await client.aclose()
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            with contextlib.suppress(BaseException):
-                await self._reader
-            self._reader = None
+        reader, self._reader = self._reader, None
+        while reader is not None and not reader.done():
+            # Again until it ends: a cancel that lands inside redis-py's read timeout can be
+            # lost (see _read), and close() must not wait on the reader forever.
+            reader.cancel()
+            await asyncio.wait({reader}, timeout=1.0)
         await self._drop()
 
 

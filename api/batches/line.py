@@ -28,6 +28,7 @@ from enum import Enum
 
 from pydantic import ValidationError
 
+from api.aio import within
 from api.detok import Detokenizers
 from api.errors import PayloadTooLargeError, answer_of
 from api.jobs.protocol import JobView
@@ -87,10 +88,7 @@ class LineEnv:
 
     async def pause(self, seconds: float) -> None:
         """Sleep, or less once the batch stops."""
-        try:
-            await asyncio.wait_for(self.stop.wait(), max(0.05, seconds))
-        except TimeoutError:
-            pass
+        await within(self.stop.wait(), max(0.05, seconds))
 
 
 def line_job_id(batch_id: str, index: int, run: int) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -16,6 +15,7 @@ from celery import chord as celery_chord
 from celery.canvas import Signature
 from starlette.concurrency import run_in_threadpool
 
+from api.aio import within
 from api.detok import Detokenizers
 from api.errors import ErrorBody
 from api.jobs.protocol import JobCreate, JobView
@@ -318,8 +318,7 @@ async def wait_view(service: JobService, waiter: JobWaiter, job_id: str, wait: f
             left = end - loop.time()
             if left <= 0:
                 break
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(woken.wait(), min(left, 1.0) if view is None else left)
+            await within(woken.wait(), min(left, 1.0) if view is None else left)
             woken.clear()
     if view is None:
         raise UnavailableError("the queue (Redis) is unavailable; retry shortly")

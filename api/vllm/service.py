@@ -14,6 +14,7 @@ from typing import Any
 from celery import Celery
 from starlette.concurrency import run_in_threadpool
 
+from api.aio import within
 from api.detok import Detokenizers
 from api.validation import MAX_TOKEN_ID
 from api.vllm.protocol import (
@@ -93,8 +94,7 @@ async def ask_preprocess(celery: Celery, waiter: JobWaiter, body: dict) -> dict:
                 left = end - loop.time()
                 if meta.get("status") in ("SUCCESS", "FAILURE") or left <= 0:
                     break
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(woken.wait(), timeout=left)
+                await within(woken.wait(), left)
                 woken.clear()
     finally:
         with contextlib.suppress(Exception):

@@ -24,6 +24,7 @@ import redis
 
 from llmpipe.local.redis_server import EmbeddedRedis, free_port
 from llmpipe.local.supervisor import alive, descendants
+from llmpipe.observability import readiness
 from llmpipe.settings import Settings
 from llmpipe.stages import STAGE_QUEUES
 from llmpipe.testing import faulty
@@ -228,16 +229,31 @@ class UpPipe(Pipe):
         return self.out.read_text(errors="replace")
 
     def ready(self, kind: str) -> bool:
-        """The child of ``kind`` serves: a worker answers its ping, the API its /healthz."""
+        """The child of ``kind`` serves: a worker is warm (its readiness keys are set, the
+        inference worker's once its engine loaded: llmpipe/observability/readiness.py) and
+        answers its ping; the API answers its /healthz."""
         if kind == "api":
             try:
                 return self.http.get("/healthz", timeout=1).status_code == 200
             except httpx.HTTPError:
                 return False
+        if not self._ready_keys(kind):
+            return False
         try:
             return bool(self.probe.control.ping(destination=[self.node(kind)], timeout=0.5))
         except Exception:
             return False
+
+    def _ready_keys(self, kind: str) -> list[bytes]:
+        return list(self.r.scan_iter(readiness.key("*", self.node(kind))))
+
+    def forget_ready(self, kind: str) -> None:
+        """Drop a killed worker's readiness keys (they outlive it by up to their TTL), so that
+        ready() waits for its successor to warm. A ping alone is no proof: on RabbitMQ one
+        was answered 2.8 s after a SIGKILL of the inference worker whose jobs then waited
+        62 s for the successor's engine."""
+        for k in self._ready_keys(kind):
+            self.r.delete(k)
 
     def stop(self) -> None:
         self.http.close()

@@ -97,6 +97,8 @@ def _kill(up, rel, broker, kind, *, pool_child=False):
             t_kill = time.time()
             os.kill(target, signal.SIGKILL)  # the process alone, as `kill -9 PID` does
             up.clear_delays()
+            if not pool_child and kind != "api":
+                up.forget_ready(kind)  # restarted() waits for the successor's own
             done_at_kill = dict(up.ledger()[1]) if kind == "inference" else {}
             swept_s = None
             if lease is not None:
