@@ -116,6 +116,10 @@ def _redis_transport_options(s: Settings) -> dict[str, Any]:
         # sits in front of an interactive request.
         "priority_steps": list(PRIORITY_STEPS),
         "queue_order_strategy": "priority",
+        # ... and, while interactive messages come, a consumer holds batch-lane ones in at most
+        # this share of its prefetch, so one is free for the next interactive message.
+        "lane_batch_slot_share": s.lane_batch_slot_share,
+        "lane_slot_hold_s": s.lane_slot_hold_s,
         # A worker silent this long is dead; every consumer sweeps for dead ones this often.
         "lease_ttl": s.lease_ttl_s,
         "lease_sweep_interval": s.lease_sweep_interval_s,

@@ -160,9 +160,12 @@ class Settings(BaseSettings):
     # gets 429 while interactive requests still have the rest of the budget.
     lane_batch_priority: int = 1
     lane_batch_share: float = Field(0.5, gt=0.0, le=1.0)
-    # On a continuous engine the batch lane also holds at most lane_batch_share of the
-    # running slots, but only for this long after the last interactive request: a batch-only
-    # load keeps the whole engine (0: the batch lane is never held to its share of slots).
+    # For lane_slot_hold_s after the last interactive request, the batch lane holds at most
+    # this share of each worker's slots: its prefetch (a consumer on Redis then claims only
+    # interactive messages beyond it) and, on a continuous engine, the running slots. A
+    # batch-only load keeps them all (hold 0: the batch lane is never held to its share).
+    # 1/16: 4 of the inference worker's 64, measured in docs/benchmarks.md "The Batch API".
+    lane_batch_slot_share: float = Field(0.0625, gt=0.0, le=1.0)
     lane_slot_hold_s: float = Field(30.0, ge=0.0)
 
     # Pools

@@ -90,7 +90,7 @@ def start_inference(engine: Any, r: redis.Redis, s: Settings, model: ServedModel
             on_engine_dead=lambda exc: engine_died(exc, amqp=s.broker_is_amqp),
             published=lambda job_id: read_published(r, job_id), stream_parser=stream_parser(resources),
             batch_lane=lambda req: lane_for(req.priority, s.lane_batch_priority) is Lane.BATCH,
-            batch_lane_slots=batch_lane_slots(s.lane_batch_share, engine_running_slots(engine, s)),
+            batch_lane_slots=batch_lane_slots(s.lane_batch_slot_share, engine_running_slots(engine, s)),
             batch_lane_hold_s=s.lane_slot_hold_s,
         )
     except BaseException:

@@ -219,7 +219,7 @@ def _conditions(sim: dict, s: Settings, o: PriorityOptions, max_batch: int, cpu_
                 load: tuple[float, float]) -> str:
     scheduled = (" scheduled step by step as vLLM v1 with scheduling_policy=priority and chunked prefill "
                  "(--sim-continuous; 2048 tokens per step; batch lane in at most "
-                 f"{batch_lane_slots(s.lane_batch_share, max_batch)} running slots)"
+                 f"{batch_lane_slots(s.lane_batch_slot_share, max_batch)} running slots)"
                  if sim.get("sim_continuous") else ", whole batches (no preemption)")
     return (
         f"Conditions: SIMULATED GPU{scheduled} (prefill {sim['sim_prefill_ms_per_token']} ms/token, step "

@@ -11,6 +11,7 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
 from llmpipe.broker.leases import HOLDER_KEY, LEASES_KEY, lease_tags_key
+from llmpipe.jobs.lanes import Lane
 
 log = logging.getLogger("llmpipe.broker.leases")
 
@@ -32,7 +33,10 @@ class QoS(kombu_redis.QoS):
         if not self.channel._lease_store.ack(delivery_tag, lease_id):
             log.warning("late ack of %s ignored: lease %s no longer holds it (another worker has it now)",
                         delivery_tag, lease_id)
+        message = self._delivered.get(delivery_tag)
         kombu_redis.virtual.QoS.ack(self, delivery_tag)
+        if message is not None and self.channel._lane_of({"properties": message.properties}) is Lane.BATCH:
+            self.channel.batch_settled()
 
     def reject(self, delivery_tag, requeue=False):
         if delivery_tag not in self.channel._tag_lease:

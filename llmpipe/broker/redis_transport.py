@@ -16,6 +16,10 @@ What changes against kombu's transport, and why:
   lease is alive; it stays for messages held by no lease.
 * Every consuming channel keeps a lease renewed by a thread, and sweeps expired leases:
   any live consumer returns a dead worker's messages, with or without a supervisor.
+* Lanes. For ``lane_slot_hold_s`` after a consumer took an interactive message, it holds
+  batch-lane messages in at most ``lane_batch_slot_share`` of its prefetch and claims only
+  from the interactive lists beyond that (llmpipe/jobs/lanes.py ``BatchClaims``); settling
+  one of them wakes it to claim the next.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from kombu.utils.objects import cached_property
 from llmpipe.broker.leases import LeaseKeeper, LeaseStore, new_lease_id, parse_claim, wake_key
 from llmpipe.broker.redis_qos import QoS
 from llmpipe.broker.worker_queues import Drainer
+from llmpipe.jobs.lanes import BatchClaims, Lane, broker_priority
 from llmpipe.stages import is_worker_queue, shared_queue
 
 log = logging.getLogger("llmpipe.broker.leases")
@@ -48,7 +53,13 @@ class Channel(kombu_redis.Channel):
     #: How often each consumer renews its lease and sweeps dead ones (settings.lease_sweep_interval_s).
     lease_sweep_interval = 1.0
 
-    from_transport_options = kombu_redis.Channel.from_transport_options + ("lease_ttl", "lease_sweep_interval")
+    #: While interactive messages come, batch-lane ones are held in at most this share of the
+    #: prefetch, for this long after the last interactive one (llmpipe/jobs/lanes.py BatchClaims).
+    lane_batch_slot_share = 1.0
+    lane_slot_hold_s = 0.0
+
+    from_transport_options = kombu_redis.Channel.from_transport_options + (
+        "lease_ttl", "lease_sweep_interval", "lane_batch_slot_share", "lane_slot_hold_s")
 
     def __init__(self, *args, **kwargs):
         self._tag_lease: dict[str, str] = {}
@@ -63,6 +74,8 @@ class Channel(kombu_redis.Channel):
         self._no_ack_queues: set[str] = set()  # consumed without acks: never held
         self._sync_client: tuple = (None, None)  # (pool, client): see conn_or_acquire
         super().__init__(*args, **kwargs)
+        self._batch_claims = BatchClaims(self.lane_batch_slot_share, self.lane_slot_hold_s)
+        self._batch_gated = False  # the last claim left the batch lists out (BatchClaims)
         if self.global_keyprefix:
             raise ValueError("llmpipe's Redis transport does not support global_keyprefix")
 
@@ -163,7 +176,7 @@ class Channel(kombu_redis.Channel):
         else:
             if self._woken in queues:
                 queues = [self._woken] + [q for q in queues if q != self._woken]
-            keys = [(self._q_for_pri(q, pri), q, q not in self._no_ack_queues) for pri in self.priority_steps
+            keys = [(self._q_for_pri(q, pri), q, q not in self._no_ack_queues) for pri in self._claimable_steps()
                     for q in queues]
             if self._woken is not None:  # the woken queue's own keys first
                 keys.sort(key=lambda kq: kq[1] != self._woken)
@@ -200,6 +213,8 @@ class Channel(kombu_redis.Channel):
                 dest = claim.key.rsplit(self.sep, 1)[0]
                 self._queue_cycle.rotate(dest)
                 message = loads(bytes_to_str(claim.payload))
+                if self._lane_of(message) is Lane.INTERACTIVE:
+                    self._batch_claims.interactive_taken()
                 if claim.status == "ok":
                     self._tag_lease[message["properties"]["delivery_tag"]] = lease_id
                 self.connection._deliver(message, dest)
@@ -214,6 +229,38 @@ class Channel(kombu_redis.Channel):
         finally:
             self._in_poll = None
             self._flush_brpop_reauth()
+
+    def _lane_of(self, message: dict) -> Lane:
+        pri = (message.get("properties") or {}).get("priority") or 0
+        return Lane.BATCH if pri >= broker_priority(Lane.BATCH) else Lane.INTERACTIVE
+
+    def _claimable_steps(self) -> list[int]:
+        """The priority lists to claim from: the batch lane's too, unless the consumer holds
+        its share of batch-lane messages while interactive ones come (BatchClaims)."""
+        qos = self.qos
+        held = sum(1 for tag, m in list(qos._delivered.items())  # kombu's unacked: tag -> Message
+                   if tag not in qos._dirty and self._lane_of({"properties": m.properties}) is Lane.BATCH)
+        if self._batch_claims.open(held, self.qos.prefetch_count or 0):
+            self._batch_gated = False
+            return self.priority_steps
+        self._batch_gated = True
+        return [p for p in self.priority_steps if p < broker_priority(Lane.BATCH)]
+
+    def batch_settled(self) -> None:
+        """A batch-lane message this channel held was acked or rejected (QoS). If batch claims
+        were held back, wake this consumer (one token per queue), which otherwise waits on
+        its token lists until the next message or the wait's end and, under a steady stream of
+        interactive messages, would claim only those."""
+        if not self._batch_gated:
+            return
+        self._batch_gated = False
+        queues = list(self.active_queues)
+        if queues:
+            with self.conn_or_acquire() as client:
+                with client.pipeline(transaction=False) as pipe:
+                    for q in queues:
+                        pipe.lpush(wake_key(q), "1")
+                    pipe.execute()
 
     def _renew_now(self, lease_id: str) -> None:
         for lost in self._lease_store.renew([lease_id], self.lease_ttl):

@@ -10,17 +10,21 @@ sooner) picks its lane, and the lane picks its broker priority and its admission
 
 Inside the inference worker the raw priority orders the batcher's pending requests, and
 vLLM (``scheduling_policy="priority"``) schedules by it: the order holds end to end. On a
-continuous engine the batch lane also runs in at most ``lane_batch_share`` of the engine's
+continuous engine the batch lane also runs in at most ``lane_batch_slot_share`` of the engine's
 running slots (vLLM's ``max_num_seqs``, or the requests the worker holds where that is more;
 workers/inference_runtime.py): vLLM admits waiting requests by
 priority, but it preempts a running one only when the KV cache is short, never for a
 waiting request of higher priority, and every running request shares each step, batch-lane
 prefills included: the share keeps a slot free for an interactive request and bounds the
-batch work its steps carry.
+batch work its steps carry. On Redis every consumer likewise holds batch-lane messages in at
+most that share of its prefetch (:class:`BatchClaims`), so an interactive message always finds
+a thread to take it. Both hold for ``lane_slot_hold_s`` after the last interactive request.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from enum import StrEnum
 
 # The range the API accepts (vLLM takes any int; a bound keeps the schema honest and the
@@ -63,3 +67,37 @@ def queue_keys(queue: str) -> list[str]:
 def batch_lane_slots(share: float, running_slots: int) -> int:
     """The engine's running slots the batch lane may hold (at least one: it never starves)."""
     return max(1, int(share * running_slots))
+
+
+class BatchClaims:
+    """Whether a consumer may take one more batch-lane message (the Redis transport asks it
+    before each claim: llmpipe/broker/redis_transport.py).
+
+    A worker takes messages up to its prefetch, one per thread of the inference worker's
+    pool. Left alone, a batch backlog fills every one of them, and an interactive message
+    then waits in its queue, first in line but with no thread to take it, until a batch
+    request ends: measured at 4.7 s (median) per interactive job under a draining batch.
+    So, for ``hold_s`` after the consumer last took an interactive message, it holds
+    batch-lane messages in at most ``lane_batch_slot_share`` of its prefetch
+    (:func:`batch_lane_slots`) and takes only interactive ones beyond that; the rest of the
+    prefetch stays free for them. A batch-only load keeps the whole prefetch.
+    """
+
+    def __init__(self, share: float, hold_s: float, clock: Callable[[], float] = time.monotonic):
+        self.share = share
+        self.hold_s = hold_s
+        self._clock = clock
+        self._interactive_at: float | None = None
+
+    def interactive_taken(self, now: float | None = None) -> None:
+        if now is None:
+            now = self._clock()
+        self._interactive_at = now
+
+    def open(self, held: int, prefetch: int, now: float | None = None) -> bool:
+        """``held``: batch-lane messages the consumer holds; ``prefetch``: how many it may
+        hold in all (0: no limit, and no share of it either)."""
+        if now is None:
+            now = self._clock()
+        recent = self._interactive_at is not None and now - self._interactive_at < self.hold_s
+        return not recent or prefetch <= 0 or held < batch_lane_slots(self.share, prefetch)

@@ -9,7 +9,7 @@ import time
 
 from llmpipe.broker.queue_depth import RedisDepths
 from llmpipe.jobs.admission import Admission
-from llmpipe.jobs.lanes import PRIORITY_STEPS, Lane, broker_priority, lane_for, queue_keys
+from llmpipe.jobs.lanes import PRIORITY_STEPS, BatchClaims, Lane, broker_priority, lane_for, queue_keys
 from llmpipe.processors.batching import Batcher
 from tests.harness.brokers import connect, drain
 
@@ -108,3 +108,91 @@ def test_the_transport_claims_the_interactive_list_before_a_batch_backlog(redis_
         assert redis_client.llen(queue_keys("lanes")[-1]) == 5 and redis_client.llen("lanes") == 1
         got = [body["n"] for body, _ in drain(conn, "lanes", 6)]
     assert got == ["interactive", *(f"batch{i}" for i in range(5))]
+
+
+def test_batch_claims_keep_a_share_of_the_prefetch_free_while_interactive_messages_come():
+    clock = Clock()
+    gate = BatchClaims(share=0.5, hold_s=30.0, clock=clock)
+    assert gate.open(held=8, prefetch=8)  # no interactive message yet: the whole prefetch
+    gate.interactive_taken()
+    assert gate.open(held=3, prefetch=8) and not gate.open(held=4, prefetch=8)
+    assert gate.open(held=100, prefetch=0)  # no prefetch limit: no share of it either
+    assert gate.open(held=0, prefetch=1)  # at least one slot: the lane never starves
+    clock.t += 30.0
+    assert gate.open(held=8, prefetch=8)  # the hold passed: a batch-only load takes it all
+    assert BatchClaims(share=0.5, hold_s=0.0, clock=clock).open(held=8, prefetch=8)
+
+
+def test_a_consumer_at_its_batch_share_takes_only_interactive_messages_until_it_acks_one(redis_url, redis_client):
+    from kombu import Consumer, Producer, Queue
+
+    got: list = []
+    with connect(redis_url, priority_steps=list(PRIORITY_STEPS), queue_order_strategy="priority",
+                 lane_batch_slot_share=0.5, lane_slot_hold_s=30.0) as conn:
+        p = Producer(conn.channel())
+
+        def send(name: str, lane: Lane) -> None:
+            p.publish({"n": name}, routing_key="lanes", serializer="json", declare=[Queue("lanes")],
+                      priority=broker_priority(lane))
+
+        def take(n: int, timeout: float = 10.0) -> None:
+            end = time.monotonic() + timeout
+            want = len(got) + n
+            while len(got) < want and time.monotonic() < end:
+                try:
+                    conn.drain_events(timeout=0.5)
+                except TimeoutError:
+                    pass
+
+        ch = conn.channel()
+        ch.basic_qos(0, 4, False)  # a worker of four threads
+        with Consumer(ch, [Queue("lanes")], callbacks=[lambda b, m: got.append((b["n"], m))], accept=["json"]):
+            send("i0", Lane.INTERACTIVE)
+            for i in range(6):
+                send(f"b{i}", Lane.BATCH)
+            take(3)  # the interactive message, then batch ones up to half of the prefetch
+            assert [n for n, _ in got] == ["i0", "b0", "b1"]
+            take(1, timeout=2.5)  # the batch backlog waits (claims go on each second): the fourth
+            # slot is the next interactive message's
+            assert len(got) == 3
+            send("i1", Lane.INTERACTIVE)
+            take(1)
+            assert got[-1][0] == "i1"
+            got[1][1].ack()  # a batch message done: its slot takes the next one
+            take(1)
+            assert got[-1][0] == "b2" and redis_client.llen(queue_keys("lanes")[-1]) == 3
+
+
+def test_acking_a_batch_message_at_the_share_wakes_the_consumer_for_the_next_one(redis_url, redis_client):
+    # Without the wake the consumer, its batch claims held back, sleeps on its token lists until
+    # the next message: under a steady stream of interactive ones it would claim only those.
+    from kombu import Consumer, Producer, Queue
+
+    got: list = []
+    with connect(redis_url, priority_steps=list(PRIORITY_STEPS), queue_order_strategy="priority",
+                 lane_batch_slot_share=0.25, lane_slot_hold_s=30.0, polling_interval=20) as conn:
+        p = Producer(conn.channel())
+        for name, lane in (("i0", Lane.INTERACTIVE), ("b0", Lane.BATCH), ("b1", Lane.BATCH)):
+            p.publish({"n": name}, routing_key="lanes", serializer="json", declare=[Queue("lanes")],
+                      priority=broker_priority(lane))
+        ch = conn.channel()
+        ch.basic_qos(0, 4, False)  # one batch slot of four
+
+        def take(until, timeout: float) -> float:
+            t0 = time.monotonic()
+            while not until() and time.monotonic() - t0 < timeout:
+                try:
+                    conn.drain_events(timeout=0.1)
+                except TimeoutError:
+                    pass
+            return time.monotonic() - t0
+
+        with Consumer(ch, [Queue("lanes")], callbacks=[lambda b, m: got.append((b["n"], m))], accept=["json"]):
+            take(lambda: len(got) == 2, 10)
+            take(lambda: False, 1.5)  # b1 waits: the consumer now sleeps on its token list
+            assert [n for n, _ in got] == ["i0", "b0"]
+            got[1][1].ack()
+            took = take(lambda: len(got) == 3, 10)
+    assert got[-1][0] == "b1"
+    print(f"\nnext batch message claimed {1000 * took:.0f} ms after the ack")
+    assert took < 10  # woken, not at the end of the token wait (polling_interval, 20 s here)
