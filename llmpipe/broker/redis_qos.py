@@ -11,7 +11,7 @@ from kombu.utils.encoding import bytes_to_str
 from kombu.utils.json import loads
 
 from llmpipe.broker.leases import HOLDER_KEY, LEASES_KEY, lease_tags_key
-from llmpipe.jobs.lanes import Lane
+from llmpipe.jobs.lanes import Lane, lane_of_message
 
 log = logging.getLogger("llmpipe.broker.leases")
 
@@ -35,7 +35,7 @@ class QoS(kombu_redis.QoS):
                         delivery_tag, lease_id)
         message = self._delivered.get(delivery_tag)
         kombu_redis.virtual.QoS.ack(self, delivery_tag)
-        if message is not None and self.channel._lane_of({"properties": message.properties}) is Lane.BATCH:
+        if message is not None and lane_of_message(message.properties) is Lane.BATCH:
             self.channel.batch_settled()
 
     def reject(self, delivery_tag, requeue=False):

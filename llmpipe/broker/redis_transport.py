@@ -39,7 +39,7 @@ from kombu.utils.objects import cached_property
 from llmpipe.broker.leases import LeaseKeeper, LeaseStore, new_lease_id, parse_claim, wake_key
 from llmpipe.broker.redis_qos import QoS
 from llmpipe.broker.worker_queues import Drainer
-from llmpipe.jobs.lanes import BatchClaims, Lane, broker_priority
+from llmpipe.jobs.lanes import BatchClaims, Lane, broker_priority, lane_of_message
 from llmpipe.stages import is_worker_queue, shared_queue
 
 log = logging.getLogger("llmpipe.broker.leases")
@@ -213,7 +213,7 @@ class Channel(kombu_redis.Channel):
                 dest = claim.key.rsplit(self.sep, 1)[0]
                 self._queue_cycle.rotate(dest)
                 message = loads(bytes_to_str(claim.payload))
-                if self._lane_of(message) is Lane.INTERACTIVE:
+                if lane_of_message(message.get("properties")) is Lane.INTERACTIVE:
                     self._batch_claims.interactive_taken()
                 if claim.status == "ok":
                     self._tag_lease[message["properties"]["delivery_tag"]] = lease_id
@@ -230,16 +230,13 @@ class Channel(kombu_redis.Channel):
             self._in_poll = None
             self._flush_brpop_reauth()
 
-    def _lane_of(self, message: dict) -> Lane:
-        pri = (message.get("properties") or {}).get("priority") or 0
-        return Lane.BATCH if pri >= broker_priority(Lane.BATCH) else Lane.INTERACTIVE
-
     def _claimable_steps(self) -> list[int]:
         """The priority lists to claim from: the batch lane's too, unless the consumer holds
-        its share of batch-lane messages while interactive ones come (BatchClaims)."""
+        its share of batch-lane messages while interactive ones come (BatchClaims). Remembers
+        which, for batch_settled."""
         qos = self.qos
         held = sum(1 for tag, m in list(qos._delivered.items())  # kombu's unacked: tag -> Message
-                   if tag not in qos._dirty and self._lane_of({"properties": m.properties}) is Lane.BATCH)
+                   if tag not in qos._dirty and lane_of_message(m.properties) is Lane.BATCH)
         if self._batch_claims.open(held, self.qos.prefetch_count or 0):
             self._batch_gated = False
             return self.priority_steps

@@ -59,6 +59,13 @@ def broker_priority(lane: Lane, amqp: bool = False) -> int:
     return (AMQP_PRIORITY if amqp else BROKER_PRIORITY)[lane]
 
 
+def lane_of_message(properties: dict | None) -> Lane:
+    """The lane of a message on the Redis broker, from its properties' broker priority (a
+    message without one, as a plain Celery task, is interactive)."""
+    pri = (properties or {}).get("priority") or 0
+    return Lane.BATCH if pri >= BROKER_PRIORITY[Lane.BATCH] else Lane.INTERACTIVE
+
+
 def queue_keys(queue: str) -> list[str]:
     """Every Redis list that holds ``queue``'s messages, in the order consumers claim them."""
     return [queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}" for step in PRIORITY_STEPS]

@@ -135,10 +135,10 @@ def test_a_consumer_at_its_batch_share_takes_only_interactive_messages_until_it_
             p.publish({"n": name}, routing_key="lanes", serializer="json", declare=[Queue("lanes")],
                       priority=broker_priority(lane))
 
-        def take(n: int, timeout: float = 10.0) -> None:
-            end = time.monotonic() + timeout
+        def take(n: int, until=None) -> None:
+            end = time.monotonic() + 10
             want = len(got) + n
-            while len(got) < want and time.monotonic() < end:
+            while not (until() if until else len(got) >= want) and time.monotonic() < end:
                 try:
                     conn.drain_events(timeout=0.5)
                 except TimeoutError:
@@ -152,9 +152,9 @@ def test_a_consumer_at_its_batch_share_takes_only_interactive_messages_until_it_
                 send(f"b{i}", Lane.BATCH)
             take(3)  # the interactive message, then batch ones up to half of the prefetch
             assert [n for n, _ in got] == ["i0", "b0", "b1"]
-            take(1, timeout=2.5)  # the batch backlog waits (claims go on each second): the fourth
-            # slot is the next interactive message's
-            assert len(got) == 3
+            # the consumer claims again and finds no list it may take from: it waits on its tokens
+            take(0, until=lambda: ch._batch_gated and ch._waiting)
+            assert len(got) == 3  # the batch backlog waits: the fourth slot is the next interactive message's
             send("i1", Lane.INTERACTIVE)
             take(1)
             assert got[-1][0] == "i1"
@@ -189,7 +189,7 @@ def test_acking_a_batch_message_at_the_share_wakes_the_consumer_for_the_next_one
 
         with Consumer(ch, [Queue("lanes")], callbacks=[lambda b, m: got.append((b["n"], m))], accept=["json"]):
             take(lambda: len(got) == 2, 10)
-            take(lambda: False, 1.5)  # b1 waits: the consumer now sleeps on its token list
+            take(lambda: ch._batch_gated and ch._waiting, 10)  # b1 waits: the consumer sleeps on its tokens
             assert [n for n, _ in got] == ["i0", "b0"]
             got[1][1].ack()
             took = take(lambda: len(got) == 3, 10)
