@@ -89,8 +89,9 @@ class Settings(BaseSettings):
     models: Annotated[list[str], NoDecode] = Field(default_factory=list)
     engine: EngineKind = EngineKind.VLLM
     # None: vLLM's own default, as `vllm serve` picks it (llmpipe/engines/platform.py): dtype
-    # auto, compiled (CUDA graphs on a GPU, torch.compile on the CPU), 0.9 of the GPU, vLLM's
-    # own max_num_seqs; the transformers engine takes bf16 on CUDA, float32 on the CPU.
+    # auto (float32 on a CPU without bf16 instructions), compiled (CUDA graphs on a GPU,
+    # torch.compile on the CPU), 0.9 of the GPU, vLLM's own max_num_seqs; the transformers
+    # engine takes bf16 on CUDA, float32 on the CPU.
     dtype: str | None = None
     max_model_len: int | None = None  # None: the model's own context length
     kv_cache_gib: float = 1.0  # vLLM CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)

@@ -2,18 +2,25 @@
 vLLM engine arguments passed through (``--engine-arg`` / ``[engine_args]``).
 
 The defaults are vLLM's own, as ``vllm serve MODEL`` picks them, on every platform:
-dtype ``auto`` (the checkpoint's own; on the CPU vLLM takes bfloat16 for a float32
-checkpoint where the CPU has it), compiled (CUDA graphs on a GPU, torch.compile on the
-CPU), and vLLM's own ``max_num_seqs``. On this project's 2-core machine, float32 and eager
-mode served a third of what ``vllm serve`` did (docs/benchmarks.md). Tests pin float32 and
-eager themselves, for exact token matches and fast starts. ``engine_config`` takes the
-platform as an argument so that the decision is tested without a GPU.
+dtype ``auto`` (the checkpoint's own; on an x86 or Arm CPU vLLM takes bfloat16 for a
+float32 checkpoint), compiled (CUDA graphs on a GPU, torch.compile on the CPU), and vLLM's
+own ``max_num_seqs``. On a CPU with bfloat16 instructions, float32 and eager mode served a
+third of what ``vllm serve`` did (docs/benchmarks.md).
+
+One default differs, with a measured reason: on a CPU without bfloat16 instructions
+(x86's ``avx512_bf16`` or ``amx_bf16``, Arm's ``bf16``) vLLM still takes bfloat16, and torch
+then runs a bfloat16 matmul ~90x slower than a float32 one (0.8 against 73 GFLOP/s on an
+AVX2-only EPYC core); there the default dtype is float32 (docs/operations.md, "Engine
+defaults"). Tests pin float32 and eager themselves, for exact token matches and fast
+starts. ``engine_config`` takes the platform and the CPU's bfloat16 support as arguments,
+so that the decision is tested on any machine.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 from llmpipe.engines.vllm_args import SETTING_ALIASES, SKIP_TOKENIZER_INIT, EngineArgError, convert_engine_args
@@ -35,6 +42,28 @@ def detect_platform() -> Platform:
     return Platform.CUDA if torch.cuda.is_available() else Platform.CPU
 
 
+# The /proc/cpuinfo flags that give a CPU bfloat16 arithmetic: x86's AVX512-BF16 and AMX,
+# Arm's BF16 (FEAT_BF16).
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpu_has_bf16(cpuinfo: str | None = None) -> bool | None:
+    """Whether the CPU has bfloat16 instructions, from /proc/cpuinfo's ``flags`` (x86) or
+    ``Features`` (Arm) lines; None where there is no such file to tell (not Linux)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = CPUINFO.read_text()
+        except OSError:
+            return None
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return bool(flags & BF16_CPU_FLAGS) if flags else None
+
+
 # Settings left unset (None) take these: vLLM's own defaults, those of `vllm serve`.
 # dtype auto: the checkpoint's own (bf16 for most; vLLM's CPU backend takes bf16 for a
 # float32 checkpoint); compiled (enforce_eager False: CUDA graphs, or torch.compile on the
@@ -54,6 +83,8 @@ PIPELINE = "pipeline (fixed)"
 SETTING = "setting"
 ENGINE_ARG = "engine argument"
 LANES = "llmpipe's: priority lanes need it (vLLM's own fcfs refuses a priority)"
+NO_BF16 = ("llmpipe's: this CPU has no bfloat16 instructions (avx512_bf16, amx_bf16, bf16), where vLLM's "
+           "bfloat16 runs its matmuls ~90x slower than float32")
 
 
 def _platform_source(p: Platform) -> str:
@@ -89,19 +120,32 @@ def _pick(cfg: EngineConfig, name: str, setting: Any, default: Any) -> None:
         cfg.args[name], cfg.sources[name] = default, source(cfg.platform)
 
 
-def engine_config(s: Settings, platform: Platform | None = None, *, vllm_fields: dict[str, Any] | None = None) -> EngineConfig:
+def _pick_dtype(cfg: EngineConfig, setting: str | None, default: str, cpu_bf16: bool | None) -> None:
+    """vLLM's dtype, except on a CPU known to lack bfloat16 instructions: float32 there."""
+    if setting is None and cfg.platform is Platform.CPU:
+        if cpu_bf16 is None:
+            cpu_bf16 = cpu_has_bf16()
+        if cpu_bf16 is False:
+            cfg.args["dtype"], cfg.sources["dtype"] = "float32", NO_BF16
+            return
+    _pick(cfg, "dtype", setting, default)
+
+
+def engine_config(s: Settings, platform: Platform | None = None, *, vllm_fields: dict[str, Any] | None = None,
+                  cpu_bf16: bool | None = None) -> EngineConfig:
     """The effective engine arguments for ``s`` on ``platform`` (detected when None).
 
-    Raises EngineArgError for an engine argument vLLM does not have, one of the pipeline's
-    own, or a value of the wrong type. ``vllm_fields`` (name -> type) stands in for
-    vLLM's AsyncEngineArgs in unit tests."""
+    ``cpu_bf16``: whether the CPU has bfloat16 instructions (read from /proc/cpuinfo when
+    None; consulted on the CPU platform only). Raises EngineArgError for an engine argument
+    vLLM does not have, one of the pipeline's own, or a value of the wrong type.
+    ``vllm_fields`` (name -> type) stands in for vLLM's AsyncEngineArgs in unit tests."""
     if platform is None:
         platform = detect_platform()
     kind = EngineKind(s.engine)
     cfg = EngineConfig(kind, Platform(platform))
     if kind is EngineKind.VLLM:
         d = _VLLM_DEFAULTS[cfg.platform]
-        _pick(cfg, "dtype", s.dtype, d["dtype"])
+        _pick_dtype(cfg, s.dtype, d["dtype"], cpu_bf16)
         _pick(cfg, "max_model_len", s.max_model_len, None)
         _pick(cfg, "enforce_eager", s.enforce_eager, d["enforce_eager"])
         _pick(cfg, "gpu_memory_utilization", s.gpu_memory_utilization, d["gpu_memory_utilization"])

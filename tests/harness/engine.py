@@ -2,8 +2,9 @@
 
 The engine of a test's stack is float32, so that token ids match exactly between engines and
 runs, and eager, so that an engine starts in seconds instead of compiling. The shipped
-defaults (vLLM's own: dtype auto, compiled) run where a test is about them: the kill matrix
-(tests/harness/up.py start_up) and tests/deploy/test_compose_up.py."""
+defaults (vLLM's own, compiled; float32 on a CPU without bf16: llmpipe/engines/platform.py)
+run where a test is about them: the kill matrix (tests/harness/up.py start_up) and
+tests/deploy/test_compose_up.py."""
 
 from __future__ import annotations
 

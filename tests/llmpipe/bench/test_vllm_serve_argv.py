@@ -50,10 +50,14 @@ def test_matched_mode_gives_the_pipelines_engine_arguments(tmp_path):
     assert "--skip-tokenizer-init" not in extra and "--model" not in extra  # the server tokenizes text itself
 
 
-def test_matched_mode_on_the_shipped_defaults_is_compiled_and_vllms_dtype(tmp_path):
+def test_matched_mode_on_the_shipped_defaults_is_compiled_and_vllms_dtype(tmp_path, monkeypatch):
+    monkeypatch.setattr("llmpipe.engines.platform.cpu_has_bf16", lambda: True)
     extra = matched_argv(MODEL, 8123, _settings("vllm-serve-matched", tmp_path))[9:]
     assert extra[extra.index("--dtype") + 1] == "auto"
     assert "--no-enforce-eager" in extra and "--max-num-seqs" not in extra
+    monkeypatch.setattr("llmpipe.engines.platform.cpu_has_bf16", lambda: False)  # an AVX2-only CPU
+    extra = matched_argv(MODEL, 8123, _settings("vllm-serve-matched", tmp_path))[9:]
+    assert extra[extra.index("--dtype") + 1] == "float32"
 
 
 def test_flags_spell_values_as_vllms_cli_takes_them():
@@ -92,6 +96,7 @@ def test_vllms_own_serve_parser_reads_both_command_lines(tmp_path):
 
 def test_pipeline_engine_args_are_the_platforms_and_the_engines_own(tmp_path, monkeypatch):
     monkeypatch.setattr("llmpipe.engines.platform.detect_platform", lambda: Platform.CPU)
+    monkeypatch.setattr("llmpipe.engines.platform.cpu_has_bf16", lambda: True)
     args = pipeline_engine_args(_settings("vllm-serve-matched", tmp_path))
     assert args["dtype"] == "auto" and args["enforce_eager"] is False and "max_num_seqs" not in args
     assert args["kv_cache_memory_bytes"] == 1 << 30 and args["seed"] == 0 and args["disable_log_stats"] is True

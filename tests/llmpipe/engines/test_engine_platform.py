@@ -15,7 +15,15 @@ import pytest
 from click.testing import CliRunner
 from pydantic import ValidationError
 
-from llmpipe.engines.platform import ENGINE_ARG, SETTING, Platform, describe_config, engine_config
+from llmpipe.engines.platform import (
+    ENGINE_ARG,
+    NO_BF16,
+    SETTING,
+    Platform,
+    cpu_has_bf16,
+    describe_config,
+    engine_config,
+)
 from llmpipe.engines.vllm_args import EngineArgError, convert_engine_args, parse_pairs
 from llmpipe.local.pipeline import settings_env
 from llmpipe.settings import EngineKind, Settings
@@ -40,8 +48,8 @@ class FakeEngineArgs:
 FIELDS = typing.get_type_hints(FakeEngineArgs)
 
 
-def _vllm(platform: Platform, **kw):
-    return engine_config(Settings(engine=EngineKind.VLLM, **kw), platform, vllm_fields=FIELDS)
+def _vllm(platform: Platform, cpu_bf16: bool = True, **kw):
+    return engine_config(Settings(engine=EngineKind.VLLM, **kw), platform, vllm_fields=FIELDS, cpu_bf16=cpu_bf16)
 
 
 def test_cuda_defaults_for_vllm():
@@ -72,6 +80,27 @@ def test_cpu_defaults_for_vllm_are_vllms_own():
     assert cfg.sources["dtype"] == cfg.sources["enforce_eager"] == "vLLM's own default on cpu, as `vllm serve`"
     assert cfg.sources["max_num_seqs"] == "vLLM's own default on cpu, as `vllm serve`"
     assert cfg.sources["scheduling_policy"].startswith("llmpipe's: priority lanes need it")
+
+
+def test_a_cpu_without_bf16_instructions_defaults_to_float32():
+    # vLLM takes bf16 there too, and torch runs its matmuls ~90x slower than float32's.
+    cfg = _vllm(Platform.CPU, cpu_bf16=False)
+    assert cfg.args["dtype"] == "float32" and cfg.sources["dtype"] == NO_BF16
+    assert cfg.args["enforce_eager"] is False  # still compiled: vLLM's own
+    assert _vllm(Platform.CPU, cpu_bf16=False, dtype="bfloat16").args["dtype"] == "bfloat16"  # a setting wins
+    assert _vllm(Platform.CUDA, cpu_bf16=False).args["dtype"] == "auto"  # the GPU's dtype, not the CPU's
+    assert _vllm(Platform.CPU, cpu_bf16=None).args["dtype"] in ("auto", "float32")  # read off this machine
+
+
+XEON = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16\n"
+EPYC_AVX2 = "processor\t: 0\nflags\t\t: fpu fma avx f16c avx2\n"
+GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+
+
+def test_bf16_instructions_are_read_off_cpuinfo():
+    assert cpu_has_bf16(XEON) is True and cpu_has_bf16(GRAVITON3) is True
+    assert cpu_has_bf16(EPYC_AVX2) is False
+    assert cpu_has_bf16("processor\t: 0\n") is None  # nothing to tell by: vLLM's own choice stands
 
 
 def test_settings_win_over_the_platform():
