@@ -120,6 +120,9 @@ def _redis_transport_options(s: Settings) -> dict[str, Any]:
         # this share of its prefetch, so one is free for the next interactive message.
         "lane_batch_slot_share": s.lane_batch_slot_share,
         "lane_slot_hold_s": s.lane_slot_hold_s,
+        # ... and between interactive messages it leaves this share of its prefetch free all the
+        # same, for the first interactive message after a quiet spell.
+        "lane_interactive_reserve": s.lane_interactive_reserve,
         # A worker silent this long is dead; every consumer sweeps for dead ones this often.
         "lease_ttl": s.lease_ttl_s,
         "lease_sweep_interval": s.lease_sweep_interval_s,

@@ -57,9 +57,11 @@ class Channel(kombu_redis.Channel):
     #: prefetch, for this long after the last interactive one (llmpipe/jobs/lanes.py BatchClaims).
     lane_batch_slot_share = 1.0
     lane_slot_hold_s = 0.0
+    #: Between interactive messages, the share of the prefetch batch-lane ones never take.
+    lane_interactive_reserve = 0.0
 
     from_transport_options = kombu_redis.Channel.from_transport_options + (
-        "lease_ttl", "lease_sweep_interval", "lane_batch_slot_share", "lane_slot_hold_s")
+        "lease_ttl", "lease_sweep_interval", "lane_batch_slot_share", "lane_slot_hold_s", "lane_interactive_reserve")
 
     def __init__(self, *args, **kwargs):
         self._tag_lease: dict[str, str] = {}
@@ -74,7 +76,8 @@ class Channel(kombu_redis.Channel):
         self._no_ack_queues: set[str] = set()  # consumed without acks: never held
         self._sync_client: tuple = (None, None)  # (pool, client): see conn_or_acquire
         super().__init__(*args, **kwargs)
-        self._batch_claims = BatchClaims(self.lane_batch_slot_share, self.lane_slot_hold_s)
+        self._batch_claims = BatchClaims(self.lane_batch_slot_share, self.lane_slot_hold_s,
+                                         reserve=self.lane_interactive_reserve)
         self._batch_gated = False  # the last claim left the batch lists out (BatchClaims)
         if self.global_keyprefix:
             raise ValueError("llmpipe's Redis transport does not support global_keyprefix")

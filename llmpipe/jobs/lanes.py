@@ -18,7 +18,9 @@ waiting request of higher priority, and every running request shares each step, 
 prefills included: the share keeps a slot free for an interactive request and bounds the
 batch work its steps carry. On Redis every consumer likewise holds batch-lane messages in at
 most that share of its prefetch (:class:`BatchClaims`), so an interactive message always finds
-a thread to take it. Both hold for ``lane_slot_hold_s`` after the last interactive request.
+a thread to take it. Both hold for ``lane_slot_hold_s`` after the last interactive request;
+between interactive requests a Redis consumer still leaves ``lane_interactive_reserve`` of its
+prefetch to them.
 """
 
 from __future__ import annotations
@@ -76,6 +78,14 @@ def batch_lane_slots(share: float, running_slots: int) -> int:
     return max(1, int(share * running_slots))
 
 
+def interactive_reserve(reserve: float, prefetch: int) -> int:
+    """The slots of a consumer's prefetch that batch-lane messages never take: ``reserve`` of
+    it, at least one where there is any reserve, and never the last slot."""
+    if reserve <= 0 or prefetch <= 1:
+        return 0
+    return min(prefetch - 1, max(1, int(reserve * prefetch)))
+
+
 class BatchClaims:
     """Whether a consumer may take one more batch-lane message (the Redis transport asks it
     before each claim: llmpipe/broker/redis_transport.py).
@@ -87,12 +97,19 @@ class BatchClaims:
     So, for ``hold_s`` after the consumer last took an interactive message, it holds
     batch-lane messages in at most ``lane_batch_slot_share`` of its prefetch
     (:func:`batch_lane_slots`) and takes only interactive ones beyond that; the rest of the
-    prefetch stays free for them. A batch-only load keeps the whole prefetch.
+    prefetch stays free for them.
+
+    Between interactive messages a batch-only load keeps the prefetch but ``reserve`` of it
+    (:func:`interactive_reserve`): without that, the first interactive messages after a
+    quiet spell found every thread held by the batch and waited for batch requests to end,
+    up to 5.7 s in the queue, until the hold above freed threads.
     """
 
-    def __init__(self, share: float, hold_s: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, share: float, hold_s: float, clock: Callable[[], float] = time.monotonic,
+                 reserve: float = 0.0):
         self.share = share
         self.hold_s = hold_s
+        self.reserve = reserve
         self._clock = clock
         self._interactive_at: float | None = None
 
@@ -106,5 +123,10 @@ class BatchClaims:
         hold in all (0: no limit, and no share of it either)."""
         if now is None:
             now = self._clock()
+        if prefetch <= 0:
+            return True
         recent = self._interactive_at is not None and now - self._interactive_at < self.hold_s
-        return not recent or prefetch <= 0 or held < batch_lane_slots(self.share, prefetch)
+        if recent:
+            return held < batch_lane_slots(self.share, prefetch)
+        kept = interactive_reserve(self.reserve, prefetch)
+        return kept == 0 or held < prefetch - kept  # the prefetch itself is the QoS's to enforce

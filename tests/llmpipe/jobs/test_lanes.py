@@ -9,7 +9,15 @@ import time
 
 from llmpipe.broker.queue_depth import RedisDepths
 from llmpipe.jobs.admission import Admission
-from llmpipe.jobs.lanes import PRIORITY_STEPS, BatchClaims, Lane, broker_priority, lane_for, queue_keys
+from llmpipe.jobs.lanes import (
+    PRIORITY_STEPS,
+    BatchClaims,
+    Lane,
+    broker_priority,
+    interactive_reserve,
+    lane_for,
+    queue_keys,
+)
 from llmpipe.processors.batching import Batcher
 from tests.harness.brokers import connect, drain
 
@@ -121,6 +129,19 @@ def test_batch_claims_keep_a_share_of_the_prefetch_free_while_interactive_messag
     clock.t += 30.0
     assert gate.open(held=8, prefetch=8)  # the hold passed: a batch-only load takes it all
     assert BatchClaims(share=0.5, hold_s=0.0, clock=clock).open(held=8, prefetch=8)
+
+
+def test_between_interactive_messages_the_batch_leaves_the_reserve_of_the_prefetch_free():
+    clock = Clock()
+    gate = BatchClaims(share=0.0625, hold_s=30.0, clock=clock, reserve=0.0625)
+    assert gate.open(held=59, prefetch=64) and not gate.open(held=60, prefetch=64)  # 4 of 64 kept free
+    assert gate.open(held=6, prefetch=8) and not gate.open(held=7, prefetch=8)  # at least one
+    assert gate.open(held=0, prefetch=1)  # never the last slot: the lane never starves
+    gate.interactive_taken()
+    assert gate.open(held=3, prefetch=64) and not gate.open(held=4, prefetch=64)  # the share, as before
+    clock.t += 30.0
+    assert not gate.open(held=60, prefetch=64)
+    assert interactive_reserve(0.0, 64) == 0 and interactive_reserve(0.5, 64) == 32 and interactive_reserve(0.9, 2) == 1
 
 
 def test_a_consumer_at_its_batch_share_takes_only_interactive_messages_until_it_acks_one(redis_url, redis_client):
