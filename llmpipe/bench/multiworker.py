@@ -37,6 +37,7 @@ from llmpipe.bench.machine import run_meta
 from llmpipe.bench.openai_client import OpenAIClient
 from llmpipe.bench.prompts import make_prompts
 from llmpipe.bench.stats import summarize
+from llmpipe.engines.platform import engine_config
 from llmpipe.local.pipeline import LocalPipeline
 from llmpipe.local.redis_server import EmbeddedRedis, free_port
 from llmpipe.local.up import child_env
@@ -45,7 +46,10 @@ from llmpipe.settings import Settings
 
 log = logging.getLogger("llmpipe.bench")
 
-KV_BYTES = 2  # vLLM's CPU KV cache in bf16 (dtype auto)
+# Bytes per KV cache element: vLLM keeps the cache in the model's dtype, float32 where the
+# platform's default is float32 (a CPU without bf16: llmpipe/engines/platform.py), else 16 bits.
+KV_BYTES = {"float32": 4}
+KV_BYTES_DEFAULT = 2
 
 
 @dataclass
@@ -69,12 +73,14 @@ class MultiOptions:
     extra: dict[str, Any] = field(default_factory=dict)  # further settings for every stack
 
 
-def kv_tokens(model_path: str, gib: float) -> int | None:
-    """About how many tokens a KV cache of ``gib`` holds for the model (from config.json)."""
+def kv_tokens(model_path: str, gib: float, dtype: str | None = None) -> int | None:
+    """About how many tokens a KV cache of ``gib`` holds for the model (from config.json) with
+    the engine's ``dtype`` (16 bits when None or auto)."""
     try:
         c = json.loads((Path(model_path) / "config.json").read_text())
         head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-        per_token = 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head * KV_BYTES
+        per_token = (2 * c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head
+                     * KV_BYTES.get(dtype or "", KV_BYTES_DEFAULT))
     except (OSError, KeyError, ValueError, ZeroDivisionError):
         return None
     return int(gib * (1 << 30) // per_token)
@@ -158,7 +164,7 @@ def run_routing(o: MultiOptions, out: Path, console: Console) -> dict:
     model_path = resolve_model(o.model, Settings().models_dir, progress=True)
     prompts = workload(AutoTokenizer.from_pretrained(model_path), o, o.warmup + o.requests)
     gib = o.kv_cache_gib if o.kv_cache_gib is not None else Settings().kv_cache_gib
-    cap = kv_tokens(model_path, gib)
+    cap = kv_tokens(model_path, gib, engine_config(Settings()).args.get("dtype"))
     points = [routing_point(o, model_path, prompts, out, routing, console) for routing in (True, False)]
     routed, shared = (p["summary"] for p in points)
     ratio = {}

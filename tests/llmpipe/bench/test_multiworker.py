@@ -43,6 +43,8 @@ def test_the_kv_cache_is_counted_in_tokens_from_the_model_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 30, "num_key_value_heads": 3,
                                                       "num_attention_heads": 9, "hidden_size": 576, "head_dim": 64}))
     assert kv_tokens(str(tmp_path), 1.0) == (1 << 30) // (2 * 30 * 3 * 64 * 2)  # SmolLM2-135M in bf16: 46,603
+    assert kv_tokens(str(tmp_path), 1.0, "auto") == kv_tokens(str(tmp_path), 1.0, "bfloat16") == 46603
+    assert kv_tokens(str(tmp_path), 1.0, "float32") == 46603 // 2  # a CPU without bf16 keeps the cache in float32
     assert kv_tokens(str(tmp_path / "missing"), 1.0) is None
 
 
