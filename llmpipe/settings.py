@@ -169,7 +169,7 @@ class Settings(BaseSettings):
     lane_batch_slot_share: float = Field(0.0625, gt=0.0, le=1.0)
     lane_slot_hold_s: float = Field(30.0, ge=0.0)
     # Between interactive requests, the share of each consumer's prefetch that batch-lane
-    # messages never take on Redis (at least one slot), so that the first interactive request
+    # messages never take on Redis (rounded down), so that the first interactive request
     # after a quiet spell finds a thread: 4 of the inference worker's 64.
     lane_interactive_reserve: float = Field(0.0625, ge=0.0, lt=1.0)
 

@@ -80,10 +80,13 @@ def batch_lane_slots(share: float, running_slots: int) -> int:
 
 def interactive_reserve(reserve: float, prefetch: int) -> int:
     """The slots of a consumer's prefetch that batch-lane messages never take: ``reserve`` of
-    it, at least one where there is any reserve, and never the last slot."""
-    if reserve <= 0 or prefetch <= 1:
+    it, rounded down, and never the last slot. Rounded down, because a small prefetch is a
+    CPU stage's prefork pool (2 slots by default), whose tasks take milliseconds: there one
+    slot held back would halve the batch's concurrency to save an interactive task a few
+    milliseconds; the inference worker's 64 slots (tasks of seconds) keep 4."""
+    if prefetch <= 1:
         return 0
-    return min(prefetch - 1, max(1, int(reserve * prefetch)))
+    return min(prefetch - 1, int(reserve * prefetch))
 
 
 class BatchClaims:
