@@ -185,6 +185,40 @@ def test_a_consumer_at_its_batch_share_takes_only_interactive_messages_until_it_
             assert got[-1][0] == "b2" and redis_client.llen(queue_keys("lanes")[-1]) == 3
 
 
+def test_with_no_interactive_message_yet_the_reserve_stays_free_for_the_first_one(redis_url, redis_client):
+    # A batch backlog and a consumer that has taken no interactive message (the hold has not
+    # begun): it leaves the reserve of its prefetch to the first interactive message.
+    from kombu import Consumer, Producer, Queue
+
+    got: list = []
+    with connect(redis_url, priority_steps=list(PRIORITY_STEPS), queue_order_strategy="priority",
+                 lane_batch_slot_share=0.25, lane_slot_hold_s=30.0, lane_interactive_reserve=0.25) as conn:
+        p = Producer(conn.channel())
+
+        def send(name: str, lane: Lane) -> None:
+            p.publish({"n": name}, routing_key="lanes", serializer="json", declare=[Queue("lanes")],
+                      priority=broker_priority(lane))
+
+        def take(until) -> None:
+            end = time.monotonic() + 10
+            while not until() and time.monotonic() < end:
+                try:
+                    conn.drain_events(timeout=0.5)
+                except TimeoutError:
+                    pass
+
+        for i in range(6):
+            send(f"b{i}", Lane.BATCH)
+        ch = conn.channel()
+        ch.basic_qos(0, 4, False)  # four threads, one of them the reserve
+        with Consumer(ch, [Queue("lanes")], callbacks=[lambda b, m: got.append(b["n"])], accept=["json"]):
+            take(lambda: len(got) >= 3 and ch._batch_gated and ch._waiting)
+            assert got == ["b0", "b1", "b2"]  # the fourth slot stays free
+            send("i0", Lane.INTERACTIVE)
+            take(lambda: len(got) == 4)
+            assert got[-1] == "i0" and redis_client.llen(queue_keys("lanes")[-1]) == 3
+
+
 def test_acking_a_batch_message_at_the_share_wakes_the_consumer_for_the_next_one(redis_url, redis_client):
     # Without the wake the consumer, its batch claims held back, sleeps on its token lists until
     # the next message: under a steady stream of interactive ones it would claim only those.
