@@ -1,7 +1,11 @@
 """`llmpipe up --engine-arg KEY=VALUE` reaches vLLM: a real `up` on the tiny model with
 `max_model_len=128` passed as an engine argument. vLLM starts with it (its own config line
 in the inference log), the preprocess stage refuses a request that does not fit in it, and
-one that fits is served. A misspelt argument stops `up` before anything starts."""
+one that fits is served. A misspelt argument stops `up` before anything starts.
+
+The engine is the tests' (float32, eager: tests/harness/engine.py): what is tested is the
+argument's way to vLLM, not the shipped engine settings, whose compile took this test
+128 s of its own."""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import httpx
 import pytest
 
 from llmpipe.local.redis_server import free_port
+from tests.harness.engine import TEST_ENGINE_ENV
 
 ROOT = Path(__file__).resolve().parents[3]
 CLI = [sys.executable, "-m", "llmpipe.cli"]
@@ -23,7 +28,7 @@ CLI = [sys.executable, "-m", "llmpipe.cli"]
 
 def _env(state_dir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMPIPE_")}
-    return {**env, "LLMPIPE_STATE_DIR": str(state_dir), "HF_HUB_OFFLINE": "1"}
+    return {**env, "LLMPIPE_STATE_DIR": str(state_dir), "HF_HUB_OFFLINE": "1", **TEST_ENGINE_ENV}
 
 
 def _job(url: str, body: dict, timeout: float = 180) -> dict:
