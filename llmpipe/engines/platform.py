@@ -224,3 +224,19 @@ def describe_config(s: Settings, platform: Platform | None = None) -> str:
         if key not in cfg.args:
             lines.append(f"{key.ljust(width)} = (unset)  # {source}")
     return "\n".join(lines)
+
+
+def cpu_environment(kv_cache_gib: float) -> dict[str, str]:
+    """The variables of vLLM's that llmpipe sets on the CPU where they are unset.
+
+    - VLLM_USE_AOT_COMPILE=0: vLLM 0.32's ahead-of-time compile artifacts do not load on
+      the CPU ("Compiling model again due to a load failure ... 'function' object has no
+      attribute 'finalize_loading'"), so every start compiled from scratch. Without them
+      torch.compile goes through inductor's own cache, which a restart loads
+      (docs/operations.md, "Engine defaults").
+    - VLLM_CPU_KVCACHE_SPACE: vLLM's CPU platform reads it (whole GiB) and lets it win over
+      kv_cache_memory_bytes; a fractional size goes through the engine argument instead."""
+    env = {"VLLM_USE_AOT_COMPILE": "0"}
+    if float(kv_cache_gib).is_integer() and kv_cache_gib >= 1:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gib))
+    return env

@@ -25,6 +25,7 @@ from typing import Any
 
 from llmpipe.engines import vllm_core_guard
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
+from llmpipe.engines.platform import cpu_environment
 from llmpipe.engines.vllm_args import OWNED, SKIP_TOKENIZER_INIT
 from llmpipe.engines.vllm_convert import (
     StatsSink,
@@ -108,10 +109,9 @@ class VllmEngine(Engine):
             raise EngineError(f"engine argument {owned[0]} is set by the pipeline: {OWNED[owned[0]]}")
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
         self._on_cpu = _on_cpu()
-        if self._on_cpu and float(kv_cache_gib).is_integer() and kv_cache_gib >= 1:
-            # vLLM's CPU platform reads VLLM_CPU_KVCACHE_SPACE (whole GiB) and lets it win
-            # over kv_cache_memory_bytes; a fractional size goes through the engine arg.
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))
+        if self._on_cpu:
+            for name, value in cpu_environment(kv_cache_gib).items():
+                os.environ.setdefault(name, value)  # a variable the user set wins
 
         from vllm.engine.arg_utils import AsyncEngineArgs
 

@@ -23,9 +23,8 @@ skipped, but under CI=true it fails. Test-only additions are in compose.e2e.yml.
 
 The Redis run's engine has vLLM's own defaults (compiled: torch.compile on the CPU), as
 the compose file ships them. The RabbitMQ run pins the tests' float32 and eager engine
-(tests/harness/engine.py) for its inference worker: its point is the broker, and on this 2-core
-machine a compiled start took 108 s cold and 153 s after a crash (vLLM 0.32's compile
-cache does not load on the CPU; docs/deploy.md), an eager one far less, twice per run.
+(tests/harness/engine.py) for its inference worker: its point is the broker, and on a 2-core
+machine a compiled start took 108 s cold, an eager one far less, twice per run.
 """
 
 from __future__ import annotations

@@ -175,6 +175,9 @@ def _kill(up, rel, broker, kind, *, pool_child=False):
         assert swept_s <= rel.RECOVERY_S + rel.SLACK_S, row  # back within lease TTL + sweep
     if kind == "inference":
         assert row["requests_redelivered"] >= 1, row  # it really was mid-batch
+        # the successor compiled from the cache its predecessor left (cpu_environment in
+        # llmpipe/engines/platform.py), not from scratch after a failed load
+        assert "due to a load failure" not in up.log("inference"), up.log("inference")[-3000:]
         # measured at the kill: an engine run that finished in the instant before the kill,
         # before its result was stored, would run again (docs/reliability.md, Known limits)
         assert not done_at_kill, done_at_kill

@@ -20,6 +20,7 @@ from llmpipe.engines.platform import (
     NO_BF16,
     SETTING,
     Platform,
+    cpu_environment,
     cpu_has_bf16,
     describe_config,
     engine_config,
@@ -101,6 +102,14 @@ def test_bf16_instructions_are_read_off_cpuinfo():
     assert cpu_has_bf16(XEON) is True and cpu_has_bf16(GRAVITON3) is True
     assert cpu_has_bf16(EPYC_AVX2) is False
     assert cpu_has_bf16("processor\t: 0\n") is None  # nothing to tell by: vLLM's own choice stands
+
+
+def test_on_the_cpu_vllm_compiles_through_inductors_cache_and_gets_a_whole_kv_cache_size():
+    # vLLM 0.32's ahead-of-time artifacts fail to load on the CPU: off, so a restart loads
+    # inductor's cache instead of compiling again
+    assert cpu_environment(1.0) == {"VLLM_USE_AOT_COMPILE": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    assert cpu_environment(2) == {"VLLM_USE_AOT_COMPILE": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert cpu_environment(0.5) == {"VLLM_USE_AOT_COMPILE": "0"}  # fractional: the engine argument carries it
 
 
 def test_settings_win_over_the_platform():
