@@ -71,10 +71,10 @@ def _all_serving(up) -> bool:
 
 def restart_wait_s(broker: str) -> float:
     """How long a killed process may take to serve again: its successor loads the engine
-    and compiles it (from vLLM's compile cache), so it may take as long as the stack's own
-    start did under the same load. The start is measured by this module's fixture: three
-    times it, within RESTART_WAIT_S. On a loaded 2-core CI machine (a Docker build beside
-    it) the inference worker's restart took over 250 s; alone, 34 s."""
+    and compiles it (from inductor's cache), so it may take as long as the stack's own start
+    did under the same load. The start is measured by this module's fixture: three times
+    it, within RESTART_WAIT_S. On a loaded 2-core CI machine (a Docker build beside it) the
+    inference worker had not served within 300 s of its kill; alone, 34 s."""
     low, high = RESTART_WAIT_S
     return min(high, max(low, 3 * STARTED_S[broker]))
 
