@@ -42,6 +42,9 @@ def pipe(rel, tmp_path_factory, tiny_model, broker_url):
     rel.stop_pipe(p)
 
 
+STREAM_TOKENS = 1024
+
+
 def body(i: int, text: str, max_tokens: int = 8) -> dict:
     return {"prompt": f"{text} {i} and then", "max_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
 
@@ -116,7 +119,10 @@ def test_a_stream_the_dead_worker_was_generating_resumes_on_the_other(pipe, rel)
     for c in (victim, survivor):
         _ready(pipe, rel, c)
     pipe.reset_ledger()
-    streams = [Stream(pipe.lp.api_url, body(i, "resume stream", 192)) for i in range(8)]
+    # Long enough that the victim's streams still run when the last one starts: with 192
+    # tokens the victim's two had finished (the tiny model, eager) before the survivor's six
+    # began, and it held none at the kill.
+    streams = [Stream(pipe.lp.api_url, body(i, "resume stream", STREAM_TOKENS)) for i in range(8)]
     rel.wait_until(lambda: all(s.text for s in streams), 120, what="every stream under way")
     rel.wait_until(lambda: routing_load(pipe, victim) >= 1, 30, what=f"{victim} generating a stream")
     before = {s.job: s.text for s in streams}
