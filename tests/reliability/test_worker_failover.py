@@ -43,6 +43,10 @@ def pipe(rel, tmp_path_factory, tiny_model, broker_url):
 
 
 STREAM_TOKENS = 1024
+# The resume test's jobs may live this long, and the test waits as long for their streams: its
+# subject is the resume, not the deadline. On a loaded 2-core AVX2 VM the eight 1024-token
+# streams, all on the survivor after the kill, outlived the harness's 90 s default (expired).
+STREAM_TIMEOUT_S = 600.0
 
 
 def body(i: int, text: str, max_tokens: int = 8) -> dict:
@@ -114,6 +118,7 @@ def test_kill9_of_one_worker_hands_its_requests_to_the_other_and_every_job_ends_
         assert text == final_text(pipe, s.job), s.job
 
 
+@pytest.mark.timeout(STREAM_TIMEOUT_S + 300)
 def test_a_stream_the_dead_worker_was_generating_resumes_on_the_other(pipe, rel):
     victim, survivor = inference_children(pipe)
     for c in (victim, survivor):
@@ -122,12 +127,13 @@ def test_a_stream_the_dead_worker_was_generating_resumes_on_the_other(pipe, rel)
     # Long enough that the victim's streams still run when the last one starts: with 192
     # tokens the victim's two had finished (the tiny model, eager) before the survivor's six
     # began, and it held none at the kill.
-    streams = [Stream(pipe.lp.api_url, body(i, "resume stream", STREAM_TOKENS)) for i in range(8)]
+    streams = [Stream(pipe.lp.api_url, {**body(i, "resume stream", STREAM_TOKENS), "timeout": STREAM_TIMEOUT_S})
+               for i in range(8)]
     rel.wait_until(lambda: all(s.text for s in streams), 120, what="every stream under way")
     rel.wait_until(lambda: routing_load(pipe, victim) >= 1, 30, what=f"{victim} generating a stream")
     before = {s.job: s.text for s in streams}
     pipe.kill(victim)
-    texts = [s.join(180) for s in streams]
+    texts = [s.join(STREAM_TIMEOUT_S) for s in streams]
     started, _ = pipe.ledger()
     resumed = [s.job for s in streams if started.get(f"{s.job}-0", 0) > 1]
     assert resumed, "no stream was running on the killed worker"
