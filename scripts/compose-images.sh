@@ -83,16 +83,27 @@ timed() {  # timed NAME CMD...: run CMD, say how long it took
   say "$1: built in $((SECONDS - t0)) s"
 }
 
+debian_hash() { printf 'debootstrap minbase %s %s v1' "$1" "$MIRROR" | sha; }
+
+# debootstrap, where a Debian base is not cached: installed once, before the two bases build
+# side by side (one apt at a time).
+need_debootstrap() {
+  local suite missing=""
+  for suite in bookworm trixie; do
+    docker image inspect "$INPUTS:debian-$suite-$(debian_hash "$suite")" >/dev/null 2>&1 || missing=1
+  done
+  [ -n "$missing" ] || return 0
+  [ "$(id -u)" = 0 ] || die "debootstrap needs root"
+  command -v debootstrap >/dev/null 2>&1 && return
+  command -v apt-get >/dev/null 2>&1 || die "debootstrap is missing"
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap; } >&2
+}
+
 # A minimal Debian root file system (debootstrap --variant=minbase) as an image.
 debian_base() {
   local suite=$1 tag=$2 h dir
-  h=$(printf 'debootstrap minbase %s %s v1' "$suite" "$MIRROR" | sha)
+  h=$(debian_hash "$suite")
   cached "debian-$suite" "$h" "$tag" && { echo "$h"; return; }
-  [ "$(id -u)" = 0 ] || die "debootstrap needs root"
-  if ! command -v debootstrap >/dev/null 2>&1; then
-    command -v apt-get >/dev/null 2>&1 || die "debootstrap is missing"
-    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap; } >&2
-  fi
   dir=$(mktemp -d /var/tmp/llmpipe-debootstrap.XXXXXX)
   # shellcheck disable=SC2064
   trap "rm -rf '$dir'" RETURN
@@ -152,6 +163,13 @@ build() {
   remember "$name" "$h" "$tag"
 }
 
+rabbitmq_image() {  # the Debian trixie base, then the RabbitMQ stand-in on it
+  local ht hq
+  ht=$(debian_base trixie "$TRIXIE")
+  hq=$(cat docker/local/rabbitmq.Dockerfile <(echo "$ht") | sha)
+  build rabbitmq "$hq" "$RABBITMQ" -f docker/local/images.yml build rabbitmq
+}
+
 main() {
   docker info >/dev/null 2>&1 || die "no docker engine answers (start dockerd)"
   COMPOSE=$(compose_cli)
@@ -159,19 +177,22 @@ main() {
   link_torch_wheel && torch_index=""
   copy_pip_cert
 
-  local hb ht hp hr hq hv hc hg ctx
-  hb=$(debian_base bookworm "$BOOKWORM")
-  ht=$(debian_base trixie "$TRIXIE")
+  local hb hp hr hv hc hg ctx
   export LOCAL_BOOKWORM_IMAGE=$BOOKWORM LOCAL_TRIXIE_IMAGE=$TRIXIE LOCAL_PYTHON_IMAGE=$PYTHON \
     LOCAL_REDIS_IMAGE=$REDIS LOCAL_RABBITMQ_IMAGE=$RABBITMQ LOCAL_VLLM_IMAGE=$VLLM
   [ -n "$torch_index" ] || export TORCH_INDEX_URL=""
   local images=(-f docker/local/images.yml build)
+  # The RabbitMQ stand-in (Debian trixie) shares nothing with the rest (Debian bookworm), so it
+  # builds beside them; a cold build waits on downloads (debootstrap, apt) as much as on the CPU.
+  need_debootstrap
+  rabbitmq_image &
+  RABBIT_PID=$!
+  trap 'kill "$RABBIT_PID" 2>/dev/null || true' EXIT  # a failed build leaves no builder behind
+  hb=$(debian_base bookworm "$BOOKWORM")
   hp=$(cat docker/local/python.Dockerfile <(echo "$hb") | sha)
   hr=$(cat docker/local/redis.Dockerfile <(echo "$hb") | sha)
-  hq=$(cat docker/local/rabbitmq.Dockerfile <(echo "$ht") | sha)
   build python "$hp" "$PYTHON" "${images[@]}" python
   build redis "$hr" "$REDIS" "${images[@]}" redis
-  build rabbitmq "$hq" "$RABBITMQ" "${images[@]}" rabbitmq
 
   ctx=$(context_hash)
   # The llmpipe images, through docker-compose.yml's own build sections.
@@ -190,6 +211,7 @@ main() {
     build gpu "$hg" "$GPU" "${app[@]}" --profile gpu build worker-inference
   fi
 
+  wait "$RABBIT_PID" || die "the RabbitMQ stand-in did not build"
   echo "PYTHON_IMAGE=$PYTHON"
   echo "REDIS_IMAGE=$REDIS"
   echo "RABBITMQ_IMAGE=$RABBITMQ"
