@@ -19,16 +19,9 @@ from llmpipe.jobs.lanes import queue_keys
 from llmpipe.jobs.store import JobStore
 from llmpipe.messages import JobResult, JobStatus
 from llmpipe.settings import Settings
+from tests.harness.clock import ManualClock
 
 URL = "/v1/chat/completions"
-
-
-class Clock:
-    def __init__(self, t: float):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 class Stack:
@@ -42,8 +35,8 @@ class Stack:
         self.st = create_app(s).state
         self.r = redis_client
         self.jobs = JobStore(redis_client, 3600)
-        self.now = Clock(self.st.batches._clock())
-        self.lease_now = Clock(1000.0)
+        self.now = ManualClock(self.st.batches._clock())
+        self.lease_now = ManualClock(1000.0)
 
     def batch(self, n: int, window: str = "1h") -> str:
         fs = self.st.files

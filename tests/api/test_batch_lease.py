@@ -3,14 +3,7 @@
 from __future__ import annotations
 
 from llmpipe.batches.lease import BatchLeases, lease_key, owner_pid
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
+from tests.harness.clock import ManualClock
 
 
 def _pair(redis_client, clock, ttl=10.0):
@@ -19,7 +12,7 @@ def _pair(redis_client, clock, ttl=10.0):
 
 
 def test_one_holder_at_a_time_until_it_lapses(redis_client):
-    clock = Clock()
+    clock = ManualClock()
     a, b = _pair(redis_client, clock)
     assert a.acquire("b1").ok and a.acquire("b1").other is None  # taking it again is a renewal
     got = b.acquire("b1")
@@ -33,7 +26,7 @@ def test_one_holder_at_a_time_until_it_lapses(redis_client):
 
 
 def test_renewal_keeps_it_and_reports_a_lost_one(redis_client):
-    clock = Clock()
+    clock = ManualClock()
     a, b = _pair(redis_client, clock)
     a.acquire("b1")
     a.acquire("b2")
@@ -48,7 +41,7 @@ def test_renewal_keeps_it_and_reports_a_lost_one(redis_client):
 
 
 def test_release_hands_it_on_at_once_and_only_by_its_holder(redis_client):
-    clock = Clock()
+    clock = ManualClock()
     a, b = _pair(redis_client, clock)
     a.acquire("b1")
     assert not b.release("b1") and a.held("b1")

@@ -20,6 +20,7 @@ from llmpipe.jobs.store import JobStore
 from llmpipe.jobs.watchdog import INDEX_KEY, Watchdog, WatchdogLoop, index_job
 from llmpipe.messages import ChatMessage, JobStatus, PromptRequest, SamplingParams, TokenizedRequest
 from llmpipe.testing.faulty import DONE_KEY, STARTED_KEY, FaultInjectingEngine, FaultSpec
+from tests.harness.clock import ManualClock
 
 
 def _dead_redis():
@@ -28,14 +29,6 @@ def _dead_redis():
     from redis.retry import Retry
 
     return redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.1, retry=Retry(NoBackoff(), 0))
-
-
-class Clock:
-    def __init__(self, t: float = 1_000_000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 # -- idempotency -------------------------------------------------------------------------
@@ -141,7 +134,7 @@ def test_memo_without_redis_still_runs_the_stage():
 
 # -- dead letters ------------------------------------------------------------------------
 def test_dead_letters_are_listed_newest_first_bounded_and_aged_out(redis_client):
-    clock = Clock()
+    clock = ManualClock(1_000_000.0)
     dl = DeadLetters(redis_client, ttl_s=100, max_entries=3, clock=clock)
     for i in range(5):
         clock.t += 1
@@ -182,7 +175,7 @@ def _job(store, job_id, deadline, now):
 
 
 def test_watchdog_expires_an_overdue_job_and_dead_letters_it(redis_client):
-    clock = Clock()
+    clock = ManualClock(1_000_000.0)
     store = JobStore(redis_client, 3600)
     dl = DeadLetters(redis_client, clock=clock)
     wd = Watchdog(redis_client, store, grace_s=2, clock=clock, deadletters=dl)
@@ -200,7 +193,7 @@ def test_watchdog_expires_an_overdue_job_and_dead_letters_it(redis_client):
 
 
 def test_watchdog_takes_the_chord_result_when_there_is_one(redis_client):
-    clock = Clock()
+    clock = ManualClock(1_000_000.0)
     store = JobStore(redis_client, 3600)
     wd = Watchdog(redis_client, store, grace_s=0, clock=clock)
     _job(store, "ok", clock.t + 1, clock.t)
@@ -214,7 +207,7 @@ def test_watchdog_takes_the_chord_result_when_there_is_one(redis_client):
 
 
 def test_watchdog_never_moves_a_terminal_job(redis_client):
-    clock = Clock()
+    clock = ManualClock(1_000_000.0)
     store = JobStore(redis_client, 3600)
     wd = Watchdog(redis_client, store, grace_s=0, clock=clock)
     _job(store, "c", clock.t + 1, clock.t)
@@ -224,7 +217,7 @@ def test_watchdog_never_moves_a_terminal_job(redis_client):
 
 
 def test_watchdog_index_is_checked_exactly_when_due(redis_client):
-    clock = Clock()
+    clock = ManualClock(1_000_000.0)
     store = JobStore(redis_client, 3600)
     wd = Watchdog(redis_client, store, grace_s=1, clock=clock, scan_count=1)
     _job(store, "ix", clock.t + 5, clock.t)

@@ -10,14 +10,7 @@ import pytest
 
 from llmpipe.broker.queue_depth import AmqpDepths, RedisDepths, depth_reader, is_amqp
 from llmpipe.jobs.admission import Admission
-
-
-class Clock:
-    def __init__(self, t=1000.0):
-        self.t = t
-
-    def __call__(self):
-        return self.t
+from tests.harness.clock import ManualClock
 
 
 def test_is_amqp_reads_the_scheme():
@@ -27,7 +20,7 @@ def test_is_amqp_reads_the_scheme():
 
 def test_redis_depths_are_the_list_lengths(redis_client):
     redis_client.rpush("inference", *[b"m"] * 3)
-    sample = RedisDepths(redis_client, clock=Clock(5.0)).sample(("preprocess", "inference"))
+    sample = RedisDepths(redis_client, clock=ManualClock(5.0)).sample(("preprocess", "inference"))
     assert sample.depths == {"preprocess": 0, "inference": 3} and sample.taken_at == 5.0
 
 
@@ -51,7 +44,7 @@ def test_amqp_depths_count_ready_messages_and_cache_them(amqp, rabbitmq_url):
     producer = conn.Producer()
     for _ in range(3):
         producer.publish({"x": 1}, routing_key=a)
-    clock = Clock()
+    clock = ManualClock()
     depths = AmqpDepths(rabbitmq_url, max_age_s=0.25, clock=clock)
     try:
         first = depths.sample((a, b, "qd-never-declared"))
@@ -94,7 +87,7 @@ class Given:
 
 
 def test_admission_on_given_depths_names_the_full_stage(redis_client):
-    clock = Clock()
+    clock = ManualClock()
     a = Admission(redis_client, max_queue_depth=3, max_queued_tokens=0, clock=clock,
                   depths=Given({"inference": 3}, taken_at=clock.t))
     d = a.try_admit("j1", 10, deadline=2000)
@@ -106,7 +99,7 @@ def test_admission_on_given_depths_names_the_full_stage(redis_client):
 
 
 def test_jobs_published_after_the_sample_count_until_a_newer_sample(redis_client):
-    clock = Clock()
+    clock = ManualClock()
     given = Given({"preprocess": 1}, taken_at=clock.t - 0.1)
     a = Admission(redis_client, max_queue_depth=3, max_queued_tokens=0, clock=clock, depths=given)
     for j in ("j1", "j2"):
@@ -123,7 +116,7 @@ def test_jobs_published_after_the_sample_count_until_a_newer_sample(redis_client
 
 
 def test_a_refusal_on_a_cached_sample_is_checked_against_a_fresh_one(redis_client):
-    clock = Clock()
+    clock = ManualClock()
     # cached: 1 queued, then 2 published since; the broker now counts 0 (workers took them)
     given = Given({"preprocess": 1}, taken_at=clock.t - 0.01, now=({"preprocess": 0}, clock.t + 0.001))
     a = Admission(redis_client, max_queue_depth=3, max_queued_tokens=0, clock=clock, depths=given)

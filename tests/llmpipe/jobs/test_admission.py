@@ -3,25 +3,18 @@
 import threading
 
 from llmpipe.jobs.admission import Admission, DrainRate, estimate_tokens, release
-
-
-class Clock:
-    def __init__(self, t=1000.0):
-        self.t = t
-
-    def __call__(self):
-        return self.t
+from tests.harness.clock import ManualClock
 
 
 def test_rejects_when_a_stage_queue_is_full_and_names_it(redis_client):
-    a = Admission(redis_client, max_queue_depth=3, max_queued_tokens=0, clock=Clock())
+    a = Admission(redis_client, max_queue_depth=3, max_queued_tokens=0, clock=ManualClock())
     redis_client.rpush("inference", *[b"m"] * 3)
     d = a.try_admit("j1", 10, deadline=2000)
     assert not d.admitted and d.stage == "inference" and d.depth == 3 and d.limit == 3
 
 
 def test_pending_admissions_count_toward_the_preprocess_queue(redis_client):
-    a = Admission(redis_client, max_queue_depth=2, max_queued_tokens=0, clock=Clock())
+    a = Admission(redis_client, max_queue_depth=2, max_queued_tokens=0, clock=ManualClock())
     assert a.try_admit("j1", 1, 2000).admitted
     assert a.try_admit("j2", 1, 2000).admitted
     # neither is published yet: the third would overshoot
@@ -32,7 +25,7 @@ def test_pending_admissions_count_toward_the_preprocess_queue(redis_client):
 
 
 def test_concurrent_admissions_never_overshoot(redis_client):
-    a = Admission(redis_client, max_queue_depth=0, max_queued_tokens=100, clock=Clock())
+    a = Admission(redis_client, max_queue_depth=0, max_queued_tokens=100, clock=ManualClock())
     results = []
 
     def go(i):
@@ -46,7 +39,7 @@ def test_concurrent_admissions_never_overshoot(redis_client):
 
 
 def test_tokens_are_released_on_collect_and_at_the_deadline(redis_client):
-    clock = Clock()
+    clock = ManualClock()
     a = Admission(redis_client, max_queue_depth=0, max_queued_tokens=100, clock=clock)
     assert a.try_admit("j1", 60, deadline=1010).admitted
     assert a.try_admit("j2", 40, deadline=5000).admitted
@@ -60,7 +53,7 @@ def test_tokens_are_released_on_collect_and_at_the_deadline(redis_client):
 
 
 def test_retry_after_follows_the_drain_rate_and_the_backlog(redis_client):
-    clock = Clock()
+    clock = ManualClock()
     drain = DrainRate(window_s=60, clock=clock)
     drain.add(0, now=0.0)
     drain.add(20, now=10.0)  # 2 jobs/s

@@ -20,14 +20,7 @@ from llmpipe.jobs.lanes import (
 )
 from llmpipe.processors.batching import Batcher
 from tests.harness.brokers import connect, drain
-
-
-class Clock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
+from tests.harness.clock import ManualClock
 
 
 def test_priority_picks_the_lane_and_the_lane_its_broker_priority():
@@ -44,7 +37,7 @@ def test_priority_picks_the_lane_and_the_lane_its_broker_priority():
 
 
 def test_the_batch_lane_gets_429_while_the_interactive_lane_is_still_admitted(redis_client):
-    a = Admission(redis_client, max_queue_depth=10, max_queued_tokens=0, clock=Clock(), batch_share=0.5)
+    a = Admission(redis_client, max_queue_depth=10, max_queued_tokens=0, clock=ManualClock(), batch_share=0.5)
     # a batch backlog on the batch lane's list of the inference queue
     redis_client.rpush(queue_keys("inference")[-1], *[b"m"] * 5)
     d = a.try_admit("b1", 1, 2000, lane=Lane.BATCH)
@@ -57,7 +50,7 @@ def test_the_batch_lane_gets_429_while_the_interactive_lane_is_still_admitted(re
 
 
 def test_the_batch_lane_has_its_share_of_the_token_budget(redis_client):
-    a = Admission(redis_client, max_queue_depth=0, max_queued_tokens=100, clock=Clock(), batch_share=0.5)
+    a = Admission(redis_client, max_queue_depth=0, max_queued_tokens=100, clock=ManualClock(), batch_share=0.5)
     assert a.try_admit("b1", 40, 2000, lane=Lane.BATCH).admitted
     d = a.try_admit("b2", 20, 2000, lane=Lane.BATCH)
     assert not d.admitted and d.stage == "tokens" and d.limit == 50
@@ -78,7 +71,7 @@ def _wait(pred, timeout=5.0):
 
 
 def test_a_batch_takes_the_lowest_priorities_first_in_arrival_order_among_equals():
-    clock = Clock(100.0)
+    clock = ManualClock(100.0)
     gate = threading.Event()
     seen: list[list[tuple[str, int]]] = []
 
@@ -119,7 +112,7 @@ def test_the_transport_claims_the_interactive_list_before_a_batch_backlog(redis_
 
 
 def test_batch_claims_keep_a_share_of_the_prefetch_free_while_interactive_messages_come():
-    clock = Clock()
+    clock = ManualClock()
     gate = BatchClaims(share=0.5, hold_s=30.0, clock=clock)
     assert gate.open(held=8, prefetch=8)  # no interactive message yet: the whole prefetch
     gate.interactive_taken()
@@ -132,7 +125,7 @@ def test_batch_claims_keep_a_share_of_the_prefetch_free_while_interactive_messag
 
 
 def test_between_interactive_messages_the_batch_leaves_the_reserve_of_the_prefetch_free():
-    clock = Clock()
+    clock = ManualClock()
     gate = BatchClaims(share=0.0625, hold_s=30.0, clock=clock, reserve=0.0625)
     assert gate.open(held=59, prefetch=64) and not gate.open(held=60, prefetch=64)  # 4 of 64 kept free
     assert gate.open(held=8, prefetch=8)  # a prefork CPU pool's few slots: 1/16 rounds down to none

@@ -7,17 +7,10 @@ import pytest
 
 from llmpipe.local.restarts import RestartPolicy
 from llmpipe.settings import Settings
+from tests.harness.clock import ManualClock
 
 
-class FakeClock:
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def _crash_loop(policy: RestartPolicy, clock: FakeClock, up_s: float, n: int) -> list[float | None]:
+def _crash_loop(policy: RestartPolicy, clock: ManualClock, up_s: float, n: int) -> list[float | None]:
     """``n`` runs that each crash ``up_s`` after their start, restarted after each delay."""
     delays = []
     for _ in range(n):
@@ -32,13 +25,13 @@ def _crash_loop(policy: RestartPolicy, clock: FakeClock, up_s: float, n: int) ->
 
 
 def test_backoff_doubles_to_the_cap():
-    clock = FakeClock()
+    clock = ManualClock()
     p = RestartPolicy(max_crashes=100, window_s=10_000, clock=clock)
     assert _crash_loop(p, clock, up_s=0.5, n=8) == [1, 2, 4, 8, 16, 30, 30, 30]
 
 
 def test_gives_up_at_the_nth_crash_within_the_window():
-    clock = FakeClock()
+    clock = ManualClock()
     p = RestartPolicy(max_crashes=5, window_s=300, clock=clock)
     delays = _crash_loop(p, clock, up_s=1, n=10)
     assert delays == [1, 2, 4, 8, None]
@@ -48,7 +41,7 @@ def test_gives_up_at_the_nth_crash_within_the_window():
 
 
 def test_crashes_older_than_the_window_do_not_count():
-    clock = FakeClock()
+    clock = ManualClock()
     p = RestartPolicy(max_crashes=3, window_s=300, stable_s=60, clock=clock)
     p.started()
     clock.t += 100
@@ -68,7 +61,7 @@ def test_crashes_older_than_the_window_do_not_count():
 
 
 def test_backoff_resets_after_a_stable_run():
-    clock = FakeClock()
+    clock = ManualClock()
     p = RestartPolicy(max_crashes=100, window_s=10_000, stable_s=60, clock=clock)
     assert _crash_loop(p, clock, up_s=1, n=4) == [1, 2, 4, 8]
     assert _crash_loop(p, clock, up_s=59, n=1) == [16]  # not quite stable
@@ -76,7 +69,7 @@ def test_backoff_resets_after_a_stable_run():
 
 
 def test_the_decision_says_what_the_console_line_needs():
-    clock = FakeClock()
+    clock = ManualClock()
     p = RestartPolicy(max_crashes=5, window_s=300, clock=clock)
     p.started()
     d = p.crashed(now=clock.t + 3)  # an explicit time wins over the clock

@@ -17,6 +17,7 @@ import pytest
 from rich.console import Console
 
 from llmpipe.local.supervisor import Supervisor, alive, descendants, python_env
+from tests.harness.clock import ManualClock
 
 PY = sys.executable
 
@@ -219,14 +220,6 @@ def test_respawn_restarts_an_exited_child_in_place(tmp_path):
 # -- restarts (llmpipe up supervises; the policy itself: test_restarts.py) ------------------
 
 
-class FakeClock:
-    def __init__(self, t: float = 100.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def _policy(clock, **kw):
     from llmpipe.local.restarts import RestartPolicy
 
@@ -243,7 +236,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_tend_restarts_a_crashed_child_after_the_policy_delay(tmp_path):
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     sup = Supervisor(tmp_path, echo=False, clock=clock)
     child = sup.spawn("worker", _py(_DIES_LEAVING_A_GRANDCHILD), python_env({}), _policy(clock))
     grandchild = int(_wait_line(child, "run").split()[1])
@@ -275,7 +268,7 @@ def test_tend_restarts_a_crashed_child_after_the_policy_delay(tmp_path):
 
 
 def test_tend_gives_up_and_leaves_the_child_down(tmp_path):
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     sup = Supervisor(tmp_path, echo=False, clock=clock)
     child = sup.spawn("flaky", _py("import sys; sys.exit(2)"), python_env({}), _policy(clock, max_crashes=2))
     assert _wait_for(lambda: child.proc.poll() is not None)
@@ -293,7 +286,7 @@ def test_tend_gives_up_and_leaves_the_child_down(tmp_path):
 
 
 def test_no_restart_once_stop_began_and_unsupervised_children_are_left_alone(tmp_path):
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     sup = Supervisor(tmp_path, echo=False, clock=clock)
     supervised = sup.spawn("supervised", term_child(), python_env({}), _policy(clock))
     plain = sup.spawn("plain", _py("pass"), python_env({}))
@@ -335,7 +328,7 @@ def test_local_pipeline_tend_prints_restarts_and_stops_on_a_start_failure(tmp_pa
     from llmpipe.settings import Settings
 
     console, buf = _console()
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     lp = LocalPipeline(Settings(state_dir=tmp_path, restart_max_crashes=3), console=console, restarts=True,
                        clock=clock)
     crashing = lp.sup.spawn("api", _py("import sys; sys.exit(1)"), python_env({}), lp._policy())

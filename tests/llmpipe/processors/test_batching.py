@@ -3,21 +3,11 @@ import threading
 import pytest
 
 from llmpipe.processors.batching import Batcher, BatchWindow
-
-
-class FakeClock:
-    def __init__(self, t: float = 100.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-    def advance(self, dt: float) -> None:
-        self.t += dt
+from tests.harness.clock import ManualClock
 
 
 def test_window_not_ready_at_49ms_ready_at_50ms():
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     w = BatchWindow(window_s=0.050, max_size=8, clock=clock)
     w.open()
     clock.advance(0.049)
@@ -27,7 +17,7 @@ def test_window_not_ready_at_49ms_ready_at_50ms():
 
 
 def test_full_batch_flushes_at_once():
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     w = BatchWindow(window_s=0.050, max_size=4, clock=clock)
     w.open()
     assert not w.ready(3)
@@ -36,7 +26,7 @@ def test_full_batch_flushes_at_once():
 
 
 def test_window_counts_from_first_request_not_from_latest():
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     w = BatchWindow(window_s=0.050, max_size=8, clock=clock)
     w.open()
     clock.advance(0.030)
@@ -46,7 +36,7 @@ def test_window_counts_from_first_request_not_from_latest():
 
 
 def test_lone_request_does_not_wait_when_no_company_is_expected():
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     w = BatchWindow(window_s=0.050, max_size=8, clock=clock)
     w.open()
     assert w.ready(1, company_expected=False)
@@ -55,7 +45,7 @@ def test_lone_request_does_not_wait_when_no_company_is_expected():
 
 
 def test_remaining_and_explicit_now():
-    w = BatchWindow(window_s=0.050, max_size=8, clock=FakeClock(0.0))
+    w = BatchWindow(window_s=0.050, max_size=8, clock=ManualClock(0.0))
     w.open(now=10.0)
     assert w.remaining(now=10.020) == pytest.approx(0.030)
     assert w.ready(2, now=10.050)
@@ -218,7 +208,7 @@ def test_cap_needs_its_predicate():
 def test_the_cap_holds_only_while_uncapped_items_came_recently():
     """Work-conserving slot share: with no interactive item in cap_hold_s, capped items use
     every slot; an interactive one brings the cap back for cap_hold_s (fake clock)."""
-    clock = FakeClock()
+    clock = ManualClock(100.0)
     release = threading.Event()
     cond = threading.Condition()
     seen: list[list[int]] = []
