@@ -17,6 +17,8 @@ be imported).
 - ``brokers``: the brokers under test, RabbitMQ vhosts, kombu on the lease transport.
 - ``clients``: a job submitted, read and waited for through the job API.
 - ``waiting``: ``wait_until`` / ``wait_for``, the one polling loop.
+- ``clock``: ``ManualClock``, the clock a unit test moves by hand. ``together``: ``call_together``,
+  calls released at once from their own threads, so that a batcher sees them in one window.
 - ``watch``: results published per task id, peak memory. ``fuzz``: schemathesis.
 - ``rows``: the reliability table.
 """

@@ -15,6 +15,7 @@ from llmpipe.messages import (
 )
 from llmpipe.processors.inference_processor import InferenceProcessor
 from tests.harness.clock import ManualClock
+from tests.harness.together import call_together
 
 
 class FakeEngine(Engine):
@@ -63,18 +64,8 @@ def test_expired_work_never_reaches_the_engine():
 
 def test_poison_request_fails_alone_in_a_shared_batch():
     eng = FakeEngine(poison=[6, 6, 6])
-    gate = threading.Barrier(6)
     p = InferenceProcessor(eng, window_s=5.0, max_size=6, company_expected=lambda: True, clock=ManualClock())
-    reqs = [_req(i, ids=(6, 6, 6) if i == 3 else (i, i + 1)) for i in range(6)]
-    out = [None] * 6
-
-    def run(i):
-        gate.wait()
-        out[i] = p.process(reqs[i])
-
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(6)]
-    [t.start() for t in ts]
-    [t.join(10) for t in ts]
+    out = call_together(p.process, [_req(i, ids=(6, 6, 6) if i == 3 else (i, i + 1)) for i in range(6)])
     assert eng.batches[0] and len(eng.batches[0]) == 6  # they shared one batch first
     assert out[3].error.reason == ErrorReason.ENGINE_ERROR
     assert all(out[i].error is None and out[i].output_token_ids for i in range(6) if i != 3)

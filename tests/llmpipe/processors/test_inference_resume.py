@@ -2,8 +2,6 @@
 goes on from the tokens it already streamed, or runs again whole where it must. Unit tests
 with a fake engine, no Celery, no model."""
 
-import threading
-
 import pytest
 
 from llmpipe.engines.base import Engine, EngineOutput
@@ -18,6 +16,7 @@ from llmpipe.messages import (
 )
 from llmpipe.processors.inference_processor import InferenceProcessor
 from tests.harness.clock import ManualClock
+from tests.harness.together import call_together
 
 
 class SamplingEngine(Engine):
@@ -79,23 +78,20 @@ def _mk(i, ids, max_tokens=8):
                             params=SamplingParams(max_tokens=max_tokens, temperature=1.0))
 
 
+def _shared_failed_batch(p, reqs):
+    """Runs ``reqs`` at once, so that they share one batch (the poison prompt in it fails that
+    batch part-way), then shuts ``p`` down; their results, in order."""
+    out = call_together(p.process, reqs)
+    p.shutdown()
+    return out
+
+
 def test_a_split_batch_resumes_each_request_from_what_it_streamed():
     eng = SamplingEngine(fail_after=3)
     pub = SeenPublisher()
-    gate = threading.Barrier(2)
     p = InferenceProcessor(eng, window_s=5.0, max_size=2, company_expected=lambda: True,
                            clock=ManualClock(), publisher=pub)
-    reqs = [_mk(0, (1, 2)), _mk(1, (6, 6, 6))]
-    out = [None, None]
-
-    def run(i):
-        gate.wait()
-        out[i] = p.process(reqs[i])
-
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    [t.start() for t in ts]
-    [t.join(10) for t in ts]
-    p.shutdown()
+    out = _shared_failed_batch(p, [_mk(0, (1, 2)), _mk(1, (6, 6, 6))])
     healthy = out[0]
     assert healthy.error is None and out[1].error.reason == ErrorReason.ENGINE_ERROR
     first = eng.calls[0]
@@ -150,21 +146,6 @@ def test_without_resume_nothing_is_read():
 
 
 # -- migration and what cannot resume exactly: logprobs, grammars ---------------------------
-
-
-def _shared_failed_batch(p, reqs):
-    out = [None] * len(reqs)
-    gate = threading.Barrier(len(reqs))
-
-    def run(i):
-        gate.wait()
-        out[i] = p.process(reqs[i])
-
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(len(reqs))]
-    [t.start() for t in ts]
-    [t.join(10) for t in ts]
-    p.shutdown()
-    return out
 
 
 def test_a_split_batch_runs_a_logprobs_request_again_whole_and_never_publishes_it():
