@@ -4,6 +4,7 @@ the device, 512-token prompts and 64 output tokens at c=16 and c=64, GPU utiliza
 memory sampled every 0.5 s. benchmarks/gpu/run.sh installs the carried wheels and runs this.
 
     python -m benchmarks.gpu.run --out DIR [--shape 13b|1b|tiny] [--device cuda|cpu] [--quick]
+                                 [--modes pipeline-window50] [--concurrency 16,64]
 
 It fits a time budget (``--budget-s``, from its own start): after measuring one batch of 32
 against 32 single requests, it sizes each load point's request count from those times.
@@ -31,7 +32,8 @@ OUT_FILES = ("report.md", "results.json", "latency_cdf_real.png", "scaling_real.
 
 
 def size_points(concurrency: list[int], single_s: float, batch_s: float, budget_s: float,
-                startup_s: float, quick: bool = False) -> tuple[dict[tuple[str, int], int], float, list[str]]:
+                startup_s: float, quick: bool = False,
+                modes: list[str] | None = None) -> tuple[dict[tuple[str, int], int], float, list[str]]:
     """Requests per (mode, concurrency) to fit ``budget_s``; the estimated seconds; the
     points left out because even their smallest sizes would not fit.
 
@@ -43,7 +45,7 @@ def size_points(concurrency: list[int], single_s: float, batch_s: float, budget_
     nb_extra = 4 if quick else 16
     counts = {}
     for c in concurrency:
-        for m in MODES:
+        for m in modes or MODES:
             counts[(m, c)] = (3 if quick else 4) * c if m in BATCHED else c + nb_extra
 
     def estimate() -> float:
@@ -61,6 +63,8 @@ def size_points(concurrency: list[int], single_s: float, batch_s: float, budget_
     for c in sorted(concurrency, reverse=True):
         if quick or estimate() <= budget_s:  # the rehearsal runs every mode: that is its point
             break
+        if ("pipeline-nobatch", c) not in counts:
+            continue
         del counts[("pipeline-nobatch", c)]
         dropped.append(f"pipeline-nobatch c={c}")
     return counts, estimate(), dropped
@@ -114,7 +118,9 @@ def run(a: argparse.Namespace) -> int:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     out.mkdir(parents=True, exist_ok=True)
-    prof = QUICK if a.quick else FULL
+    prof = dict(QUICK if a.quick else FULL)
+    if a.concurrency:
+        prof["concurrency"] = [int(c) for c in a.concurrency.split(",")]
     console = Console(stderr=True, highlight=False)
     result: dict = {"gpu_run": {
         "shape": a.shape, "shape_about": SHAPES[a.shape][0], "parameters": parameter_count(a.shape),
@@ -143,7 +149,7 @@ def run(a: argparse.Namespace) -> int:
         left = a.budget_s - (time.monotonic() - t_start) - 20.0  # the report and the stops
         startup = bc["model_load_s"] + 15.0  # workers, API, and the model in the inference worker
         counts, est, dropped = size_points(prof["concurrency"], bc["single_s_mean"], bc["batch_s"], left, startup,
-                                           a.quick)
+                                           a.quick, a.modes)
         g["sizing"] = {"budget_left_s": left, "estimated_s": est, "startup_estimate_s": startup,
                        "requests": {f"{m} c={c}": n for (m, c), n in counts.items()}, "dropped": dropped}
         if dropped:
@@ -155,7 +161,7 @@ def run(a: argparse.Namespace) -> int:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(model)
-        o = Options(engines=["real"], modes=MODES, concurrency=prof["concurrency"], rate=None, requests=None,
+        o = Options(engines=["real"], modes=a.modes, concurrency=prof["concurrency"], rate=None, requests=None,
                     prompt_tokens=prof["prompt_tokens"], max_tokens=prof["max_tokens"], model=model,
                     real_engine="transformers", max_batch=MAX_BATCH, cpu_workers=a.cpu_workers, sim={}, api="jobs")
         plans = build_plans(o, model, tok)
@@ -218,8 +224,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="rehearsal sizes: short prompts, c=2 and 4, few requests, every mode whatever the budget")
     ap.add_argument("--budget-s", type=float, default=420.0, help="seconds for the whole run, from its start")
     ap.add_argument("--cpu-workers", type=int, default=2)
+    ap.add_argument("--modes", type=lambda v: v.split(","), default=list(MODES),
+                    help=f"a comma-separated subset of {','.join(MODES)} (a second look at one mode)")
+    ap.add_argument("--concurrency", help="comma-separated loads instead of the profile's (16,64; quick 2,4)")
     ap.add_argument("--work", default="/tmp/llmpipe-gpu-run", help="scratch: models, logs, Redis")
-    return run(ap.parse_args(argv))
+    a = ap.parse_args(argv)
+    if not a.modes or set(a.modes) - set(MODES):
+        ap.error(f"--modes: choose from {', '.join(MODES)}")
+    return run(a)
 
 
 if __name__ == "__main__":

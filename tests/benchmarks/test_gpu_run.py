@@ -31,6 +31,25 @@ def test_size_points_fits_the_budget_and_keeps_the_study_comparison():
     assert dropped == [] and len(counts) == 6
 
 
+def test_size_points_for_a_subset_of_the_modes():
+    # --modes pipeline-window50: a second look at one mode sizes only that mode's points.
+    counts, est, dropped = size_points([16, 64], single_s=1.5, batch_s=3.0, budget_s=100, startup_s=15,
+                                       modes=["pipeline-window50"])
+    assert set(counts) == {("pipeline-window50", 16), ("pipeline-window50", 64)} and dropped == []
+    assert est == 15 + (64 / 16) * 3.0 + (256 / 32) * 3.0
+    # A subset whose unbatched mode is serial only: nothing to leave out, the budget is overrun.
+    counts, est, dropped = size_points([16, 64], single_s=5.0, batch_s=6.0, budget_s=10, startup_s=15, modes=["serial"])
+    assert set(counts) == {("serial", 16), ("serial", 64)} and dropped == [] and est > 10
+
+
+def test_the_run_refuses_an_unknown_mode(capsys):
+    from benchmarks.gpu.run import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--out", "/nonexistent", "--modes", "pipeline-window50,vllm-serve"])
+    assert e.value.code == 2 and "--modes: choose from serial, pipeline-nobatch, pipeline-window50" in capsys.readouterr().err
+
+
 def test_nvidia_smi_lines_and_windows():
     assert parse_line("87, 40213, 143771\n", 5.0) == GpuSample(5.0, 87.0, 40213.0, 143771.0)
     assert parse_line("[N/A], 1, 2", 5.0) is None and parse_line("utilization.gpu [%]", 5.0) is None
