@@ -20,35 +20,50 @@ class ResultWatch:
     id), and how many distinct payloads each had: a job whose result was stored twice, or
     twice differently, is a duplicate."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, subscribed_within_s: float = 10.0):
         self.r = redis.Redis.from_url(url)
         self.count: dict[str, int] = {}
         self.digests: dict[str, set[str]] = {}
         self.first_at: dict[str, float] = {}  # epoch s of a task id's first stored result
+        # Pub/sub drops what is published while the connection is down: a test that sees
+        # an id counted 0 times tells a lost connection (listed here) from a lost result.
+        self.errors: list[str] = []
         self._stop = threading.Event()
-        self._ps = self.r.pubsub(ignore_subscribe_messages=True)
+        self._ps = self.r.pubsub()
         self._ps.psubscribe("celery-task-meta-*")
+        self._await_subscription(subscribed_within_s)
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
+
+    def _await_subscription(self, within_s: float) -> None:
+        """Returns once Redis confirmed the pattern: nothing published after that is missed."""
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            m = self._ps.get_message(timeout=0.5)
+            if m and m.get("type") == "psubscribe":
+                return
+        raise TimeoutError(f"Redis did not confirm the result subscription within {within_s} s")
 
     def _run(self):
         while not self._stop.is_set():
             try:
                 m = self._ps.get_message(timeout=0.5)
-            except Exception:
+            except Exception as e:  # redis-py subscribes again on its next call
+                self.errors.append(f"{time.time():.3f} {type(e).__name__}: {e}")
                 time.sleep(0.5)
                 continue
-            if not m or m.get("type") != "pmessage":
-                continue
-            tid = m["channel"].decode().removeprefix("celery-task-meta-")
-            try:
-                payload = json.loads(m["data"])
-                body = json.dumps(payload.get("result"), sort_keys=True)
-            except ValueError:
-                body = repr(m["data"])
-            self.first_at.setdefault(tid, time.time())
-            self.count[tid] = self.count.get(tid, 0) + 1
-            self.digests.setdefault(tid, set()).add(hashlib.sha1(body.encode()).hexdigest())
+            if m and m.get("type") == "pmessage":
+                self._record(m["channel"].decode().removeprefix("celery-task-meta-"), m["data"])
+
+    def _record(self, tid: str, data: bytes) -> None:
+        try:
+            payload = json.loads(data)
+            body = json.dumps(payload.get("result") if isinstance(payload, dict) else payload, sort_keys=True)
+        except ValueError:  # not JSON: its bytes tell two payloads apart
+            body = repr(data)
+        self.first_at.setdefault(tid, time.time())
+        self.count[tid] = self.count.get(tid, 0) + 1
+        self.digests.setdefault(tid, set()).add(hashlib.sha1(body.encode()).hexdigest())
 
     def duplicated(self, ids) -> list[str]:
         return [i for i in ids if self.count.get(i, 0) > 1 and len(self.digests.get(i, ())) > 1]

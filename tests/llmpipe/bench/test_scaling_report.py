@@ -1,6 +1,6 @@
 """The scaling report's per-point CPU shares: the load generator and the whole machine are
 reported, so a point where the 2 cores were saturated shows as such (docs/benchmarks.md,
-"Why 4 workers at c=128 missed")."""
+"Scaling across hosts")."""
 
 from __future__ import annotations
 
