@@ -37,6 +37,7 @@ def measure(engine: Engine, prompts: list[list[int]], max_tokens: int, *, max_si
     t0 = clock()
     outs = engine.generate(_requests(prompts, max_tokens, "batch"))
     batch_s = clock() - t0
+    timed = {"batch": _timing(engine)}
     singles: list[float] = []
     started = clock()
     for i, ids in enumerate(prompts):
@@ -45,6 +46,7 @@ def measure(engine: Engine, prompts: list[list[int]], max_tokens: int, *, max_si
         t0 = clock()
         engine.generate(_requests([ids], max_tokens, f"one{i}"))
         singles.append(clock() - t0)
+        timed.setdefault("single", _timing(engine))
     mean = sum(singles) / len(singles)
     all_singles = sum(singles) if len(singles) == n else mean * n
     return {
@@ -53,7 +55,13 @@ def measure(engine: Engine, prompts: list[list[int]], max_tokens: int, *, max_si
         "batch_s": batch_s, "single_s_mean": mean, "singles_measured": len(singles),
         "singles_total_s": all_singles, "singles_total_estimated": len(singles) < n,
         "speedup": all_singles / batch_s if batch_s > 0 else None,
+        "timing": timed,  # the engine's own split of the batch and of the first single, where it keeps one
     }
+
+
+def _timing(engine: Engine) -> str | None:
+    last = getattr(engine, "last_batch", None)  # the transformers engine's (llmpipe/engines/batch_timing.py)
+    return last.describe() if last is not None else None
 
 
 def describe(r: dict[str, Any]) -> str:

@@ -86,6 +86,10 @@ def markdown(result: dict) -> str:
                   f"The engine of the pipeline (`create_engine`: {bc.get('device')}, {bc.get('dtype')}), "
                   f"{bc['requests']} prompts of ~{bc['prompt_tokens_mean']:.0f} tokens, {bc['max_tokens']} output "
                   "tokens each, after one warm-up of each shape: " + describe(bc) + ".", ""]
+        timing = {k: v for k, v in (bc.get("timing") or {}).items() if v}
+        if timing:  # wall against the engine thread's CPU (llmpipe/engines/batch_timing.py)
+            lines += ["The engine's own split: " + "; ".join(f"{k}: {v}" for k, v in timing.items())
+                      + ". The pipeline's batches are in engine-batches.log.", ""]
     if rows:
         lines += ["## The study's modes", "", *study_table(rows), ""]
         comp = comparisons(rows)

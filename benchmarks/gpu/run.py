@@ -28,7 +28,8 @@ BATCHED = {"pipeline-window50"}
 FULL = {"concurrency": [16, 64], "prompt_tokens": 512, "max_tokens": 64}
 QUICK = {"concurrency": [2, 4], "prompt_tokens": 64, "max_tokens": 8}
 MAX_BATCH = 32
-OUT_FILES = ("report.md", "results.json", "latency_cdf_real.png", "scaling_real.png", "gpu_util.png", "run.log")
+OUT_FILES = ("report.md", "results.json", "latency_cdf_real.png", "scaling_real.png", "gpu_util.png", "run.log",
+             "engine-batches.log")
 
 
 def size_points(concurrency: list[int], single_s: float, batch_s: float, budget_s: float,
@@ -88,6 +89,17 @@ def _log_tails(work: Path, lines: int = 40) -> str:
     for f in sorted((work / "bench" / "logs").rglob("*.log")):
         tail = f.read_text(errors="replace").splitlines()[-lines:]
         parts.append(f"==> {f.relative_to(work)} <==\n" + "\n".join(tail))
+    return "\n\n".join(parts) + "\n"
+
+
+def _engine_batches(work: Path) -> str:
+    """Every batch line the engines logged (llmpipe/engines/batch_timing.py), per server log:
+    a slow batch shows whether its time was the engine thread's CPU or a wait."""
+    parts = []
+    for f in sorted(work.rglob("*.log")):
+        lines = [ln for ln in f.read_text(errors="replace").splitlines() if "transformers batch of" in ln]
+        if lines:
+            parts.append(f"==> {f.relative_to(work)} <==\n" + "\n".join(lines))
     return "\n\n".join(parts) + "\n"
 
 
@@ -209,7 +221,8 @@ def run(a: argparse.Namespace) -> int:
     g["duration_s"] = time.monotonic() - t_start
     files = write_gpu_report(result, work / "report")
     (work / "report" / "run.log").write_text(_log_tails(work))
-    for f in [*files, work / "report" / "run.log"]:
+    (work / "report" / "engine-batches.log").write_text(_engine_batches(work))
+    for f in [*files, work / "report" / "run.log", work / "report" / "engine-batches.log"]:
         shutil.copy2(f, out / f.name)
     _log(f"wrote {', '.join(f.name for f in files)} to {out} in {g['duration_s']:.0f} s")
     return code

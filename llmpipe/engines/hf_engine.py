@@ -22,6 +22,9 @@ Log probabilities, as vLLM computes them by default (``raw_logprobs``): the log-
 the model's logits before temperature and top-p, with the sampled token's rank and the top
 ``logprobs`` tokens; prompt logprobs from a prefill that keeps every position's logits.
 
+Each batch logs one line, its time to the first token and per decode step, as wall time
+and as the engine thread's CPU time (llmpipe/engines/batch_timing.py; ``last_batch``).
+
 Like vLLM: generation stops at an EOS id of the model (generation_config.json, then
 config.json) unless ``ignore_eos``, or at a ``stop_token_ids`` id; the stop token is part
 of the output. Output is capped so that prompt + output <= ``max_model_len``; a prompt
@@ -34,10 +37,12 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from llmpipe.engines import hf_sampling
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
+from llmpipe.engines.batch_timing import BatchTimer, BatchTiming
 from llmpipe.errors import EngineDeadError, EngineError
 from llmpipe.messages import FinishReason, Logprob
 from llmpipe.models.random_llama import is_random_weights
@@ -108,6 +113,8 @@ class TransformersEngine(Engine):
         max_model_len: int | None = None,
         max_batch_size: int = 32,
         seed: int = 0,
+        clock: Callable[[], float] = time.perf_counter,
+        cpu_clock: Callable[[], float] = time.thread_time,
     ) -> None:
         import torch
         from transformers import AutoModelForCausalLM
@@ -139,6 +146,8 @@ class TransformersEngine(Engine):
         self._lock = threading.Lock()
         self._cancelled: set[str] = set()
         self._running: set[str] = set()
+        self._clock, self._cpu_clock = clock, cpu_clock
+        self.last_batch: BatchTiming | None = None  # also logged, one line per batch
         self.start_s = time.monotonic() - started
         log.info("transformers engine ready in %.1fs (model=%s, device=%s)", self.start_s, model, self.device)
 
@@ -200,6 +209,7 @@ class TransformersEngine(Engine):
     def _run(self, batch: list[EngineRequest], on_tokens: TokenCallback | None) -> list[EngineOutput]:
         torch = self._torch
         input_ids, attn, positions, width = self._prompt_inputs(batch)
+        timer = BatchTimer(len(batch), width, clock=self._clock, cpu_clock=self._cpu_clock)
         st = self._decoding(batch)
         gens = [
             torch.Generator(device=self.device).manual_seed(r.params.seed) if r.params.seed is not None else self._generator
@@ -218,6 +228,7 @@ class TransformersEngine(Engine):
             logits = out.logits[:, -1, :]
             for _ in range(max(st.limits)):
                 chosen = self._choose(logits, batch, gens, st)
+                timer.first_token()  # the first choice waits for the prefill
                 lps = torch.log_softmax(logits.float(), dim=-1) if any(st.want_lp) else None
                 self._record(st, batch, chosen, lps, on_tokens)
                 if all(x is not None for x in st.reasons):
@@ -231,6 +242,9 @@ class TransformersEngine(Engine):
                 )
                 past = out.past_key_values
                 logits = out.logits[:, -1, :]
+                timer.step()
+        self.last_batch = timer.done()
+        log.info("transformers %s", self.last_batch.describe())
         return [
             EngineOutput(r.request_id, st.tokens[i], st.reasons[i] or FinishReason.LENGTH, first_token_at=st.first_at[i],
                          logprobs=st.logprobs[i], prompt_logprobs=st.prompt_lp[i],

@@ -28,6 +28,16 @@ def test_batched_equals_one_by_one(hf_engine):
         assert len(o.token_ids) == 12 and o.finish_reason is FinishReason.LENGTH and o.first_token_at
 
 
+def test_each_batch_is_timed_to_its_first_token_and_per_decode_step(hf_engine, caplog):
+    batch = [EngineRequest("t0", PROMPTS[1], greedy(5)), EngineRequest("t1", PROMPTS[3], greedy(3))]
+    with caplog.at_level("INFO", logger="llmpipe.engines.hf_engine"):
+        hf_engine.generate(batch)
+    t = hf_engine.last_batch
+    assert (t.requests, t.prompt_width, t.steps) == (2, len(PROMPTS[3]), 4)  # 5 tokens: the first, then 4 steps
+    assert t.first_s > 0 and t.decode_s > 0 and t.first_cpu_s >= 0 and t.decode_cpu_s >= 0
+    assert f"transformers {t.describe()}" in caplog.messages
+
+
 def test_per_request_limits_and_stop_ids(hf_engine):
     (ref,) = hf_engine.generate([EngineRequest("ref", PROMPTS[2], greedy(8))])
     stop = ref.token_ids[3]
