@@ -82,13 +82,19 @@ def test_gpu_run_rehearsal_on_the_cpu(tmp_path):
     # What comes back from a device call: at most 8 files, no folders.
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= 8 and all((out / f).is_file() for f in files)
-    assert {"report.md", "results.json", "run.log", "latency_cdf_real.png"} <= set(files)
+    assert {"report.md", "results.json", "run.log", "latency_cdf_real.png", "engine-batches.log"} <= set(files)
+    # Each pipeline inference worker's batches, timed in wall and CPU time (llmpipe/engines/batch_timing.py).
+    batches = (out / "engine-batches.log").read_text()
+    for m in ("pipeline-nobatch", "pipeline-window50"):
+        assert f"==> bench/logs/real-{m}/inference.log <==" in batches
+    assert "transformers batch of 1, prompt width" in batches and "report/" not in batches
     result = json.loads((out / "results.json").read_text())
     g = result["gpu_run"]
     assert g["rehearsal"] is True and g["device"] == "cpu" and "error" not in g
     assert g["gpu_sampler"] == "no nvidia-smi on this machine"
     bc = g["batch_check"]
     assert bc["requests"] == 32 and bc["batch_s"] > 0 and bc["singles_measured"] >= 1 and bc["device"] == "cpu"
+    assert bc["timing"]["batch"].startswith("batch of 32,") and bc["timing"]["single"].startswith("batch of 1,")
     seen = {(r["mode"], r["load"]) for r in result["rows"]}
     assert seen == {(m, f"c={c}") for m in ("serial", "pipeline-nobatch", "pipeline-window50") for c in (2, 4)}
     for r in result["rows"]:
