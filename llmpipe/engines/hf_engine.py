@@ -36,8 +36,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from llmpipe.engines import hf_sampling
