@@ -6,8 +6,11 @@ A group is what one worker runs whole, in collection order: a module (so that it
 module-scoped stacks start once) joined with every module that borrows the same shared
 stack (its ``@lends`` keys: tests/harness/shared.py), so that no stack starts in two
 workers. The longest groups go out first (``LONGEST``), so that the run does not end with
-one worker alone on the Compose test while the other idles; the rest keep the order
-they were collected in. Without xdist the marks do nothing and only the order changes."""
+one worker alone on the Compose test while the other idles; then the other groups that
+start stacks, and the unit tests last, each kind in the order it was collected: their many
+short groups fill the run's end on both workers, where a stack's group handed out late
+had left one worker idle for a minute or more. Without xdist the marks do nothing and
+only the order changes."""
 
 from __future__ import annotations
 
@@ -68,19 +71,31 @@ def group_names(items) -> dict[str, str]:
     return {module_of(i): first[g.find(("module", module_of(i)))] for i in items}
 
 
-def _rank(group: str, members: set[str]) -> int:
+def _rank(members: set[str]) -> int:
     ranks = [LONGEST.index(m) for m in members if m in LONGEST]
     return min(ranks) if ranks else len(LONGEST)
+
+
+def hand_out_order(items) -> list[str]:
+    """The groups, in the order they go out: LONGEST's, then those with an integration
+    test, then the rest; collection order within each."""
+    names = group_names(items)
+    members: dict[str, set[str]] = {}
+    stacks: set[str] = set()
+    for item in items:
+        group = names[module_of(item)]
+        members.setdefault(group, set()).add(module_of(item))
+        if item.get_closest_marker("integration") is not None:
+            stacks.add(group)
+    order = {g: i for i, g in enumerate(dict.fromkeys(names[module_of(i)] for i in items))}
+    return sorted(order, key=lambda g: (_rank(members[g]), g not in stacks, order[g]))
 
 
 def distribute(items: list) -> None:
     """Marks each item with its group (``xdist_group``) and puts the groups in hand-out
     order, each one's items together and in their collected order."""
     names = group_names(items)
-    members: dict[str, set[str]] = {}
-    for mod, group in names.items():
-        members.setdefault(group, set()).add(mod)
-    order = {group: i for i, group in enumerate(dict.fromkeys(names[module_of(i)] for i in items))}
+    rank = {group: i for i, group in enumerate(hand_out_order(items))}
     for item in items:
         item.add_marker(pytest.mark.xdist_group(names[module_of(item)]))
-    items.sort(key=lambda i: (_rank(names[module_of(i)], members[names[module_of(i)]]), order[names[module_of(i)]]))
+    items.sort(key=lambda i: rank[names[module_of(i)]])

@@ -80,11 +80,14 @@ def test_up_serves_then_stops_clean(tmp_path, ups, tiny_model):
 def test_up_restarts_what_is_killed(tmp_path, ups, tiny_model):
     """`kill -9` of the inference worker (vLLM, its engine core in a process of its own as
     vLLM runs by default) and then of the API: each comes back by itself after 1 s, said on
-    the console; no engine core is left behind; jobs succeed; Ctrl-C still stops it warm."""
-    up = ups(tmp_path / "state", "--model", tiny_model, "--engine", "vllm", "--redis-url", "embedded",
-             "--cpu-workers", "1", "--no-flower", VLLM_ENABLE_V1_MULTIPROCESSING="1", LLMPIPE_MAX_MODEL_LEN="512",
+    the console; no engine core is left behind; jobs succeed; Ctrl-C still stops it warm.
+    The stack runs with `--engine-arg max_model_len=128`, which reaches vLLM (its own config
+    line), bounds what the preprocess stage admits, and holds after the restart too."""
+    up = ups(tmp_path / "state", "--model", tiny_model, "--engine", "vllm", "--engine-arg", "max_model_len=128",
+             "--redis-url", "embedded", "--cpu-workers", "1", "--no-flower", VLLM_ENABLE_V1_MULTIPROCESSING="1",
              LLMPIPE_MAX_BATCH_SIZE="4")
     up.wait_ready(timeout=300)
+    _engine_arg_takes_effect(up)
     body = {"prompt": "once upon a time", "max_tokens": 8, "temperature": 0}
     assert job_result(up.url, submit_job(up.url, body))["status"] == "succeeded"
 
@@ -106,6 +109,7 @@ def test_up_restarts_what_is_killed(tmp_path, ups, tiny_model):
     assert new_inference != inference
     assert job_result(up.url, job, timeout=240)["status"] == "succeeded"
     print(f"\ninference killed -> a job sent after it succeeded: {time.monotonic() - t_kill:.1f} s")
+    assert _inference_log(up).count("max_seq_len=128,") == 2  # the restarted engine took the argument again
 
     api = one_process(up, "llmpipe.cli", " api ")
     t_kill = time.monotonic()
@@ -128,3 +132,22 @@ def test_up_restarts_what_is_killed(tmp_path, ups, tiny_model):
     assert "warm shutdown" in up.err and up.err.rstrip().endswith("stopped")
     assert up.left_alive() == []
     assert "Traceback" not in up.err
+
+
+def _inference_log(up) -> str:
+    return (up.state_dir / "logs" / "inference.log").read_text()
+
+
+def _engine_arg_takes_effect(up) -> None:
+    """`--engine-arg max_model_len=128` reached vLLM itself (its config line), not only our
+    settings: the preprocess stage refuses a request that does not fit, and serves one that does."""
+    log = _inference_log(up)
+    assert log.count("max_seq_len=128,") == 1, log[-3000:]
+    too_long = job_result(up.url, submit_job(up.url, {"prompt": "word " * 100, "max_tokens": 64, "temperature": 0}))
+    assert too_long["status"] == "failed", too_long
+    assert too_long["error"]["type"] == "context_length_exceeded"
+    assert "context length of 128 tokens" in too_long["error"]["message"]
+    fits = job_result(up.url, submit_job(up.url, {"prompt": "word " * 10, "max_tokens": 8, "temperature": 0,
+                                                 "ignore_eos": True}))
+    assert fits["status"] == "succeeded", fits
+    assert fits["result"]["results"][0]["completion_tokens"] == 8
