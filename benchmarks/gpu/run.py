@@ -95,9 +95,11 @@ def _log_tails(work: Path, lines: int = 40) -> str:
 def _engine_batches(work: Path) -> str:
     """Every batch line the engines logged (llmpipe/engines/batch_timing.py), per server log:
     a slow batch shows whether its time was the engine thread's CPU or a wait."""
+    from llmpipe.engines.batch_timing import is_log_line
+
     parts = []
     for f in sorted((work / "bench" / "logs").rglob("*.log")):  # the servers' own logs, not the report's tails
-        lines = [ln for ln in f.read_text(errors="replace").splitlines() if "transformers batch of" in ln]
+        lines = [ln for ln in f.read_text(errors="replace").splitlines() if is_log_line(ln)]
         if lines:
             parts.append(f"==> {f.relative_to(work)} <==\n" + "\n".join(lines))
     return "\n\n".join(parts) + "\n"

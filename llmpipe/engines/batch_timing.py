@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+LOG_PREFIX = "transformers "  # the engine's line: this, then BatchTiming.describe()
+
 
 @dataclass(frozen=True)
 class BatchTiming:
@@ -55,3 +57,12 @@ class BatchTimer:
         first = self._first if self._first is not None else end
         return BatchTiming(self._requests, self._width, self._steps, first[0] - self._start[0],
                            first[1] - self._start[1], end[0] - first[0], end[1] - first[1])
+
+
+def log_line(t: BatchTiming) -> str:
+    return LOG_PREFIX + t.describe()
+
+
+def is_log_line(line: str) -> bool:
+    """Whether a log line is a batch's timing (what ``log_line`` wrote)."""
+    return f"{LOG_PREFIX}batch of " in line

@@ -42,7 +42,7 @@ from typing import Any
 
 from llmpipe.engines import hf_sampling
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
-from llmpipe.engines.batch_timing import BatchTimer, BatchTiming
+from llmpipe.engines.batch_timing import BatchTimer, BatchTiming, log_line
 from llmpipe.errors import EngineDeadError, EngineError
 from llmpipe.messages import FinishReason, Logprob
 from llmpipe.models.random_llama import is_random_weights
@@ -244,7 +244,7 @@ class TransformersEngine(Engine):
                 logits = out.logits[:, -1, :]
                 timer.step()
         self.last_batch = timer.done()
-        log.info("transformers %s", self.last_batch.describe())
+        log.info("%s", log_line(self.last_batch))
         return [
             EngineOutput(r.request_id, st.tokens[i], st.reasons[i] or FinishReason.LENGTH, first_token_at=st.first_at[i],
                          logprobs=st.logprobs[i], prompt_logprobs=st.prompt_lp[i],

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from llmpipe.engines.batch_timing import BatchTimer, BatchTiming
+from llmpipe.engines.batch_timing import BatchTimer, BatchTiming, is_log_line, log_line
 from tests.harness.clock import ManualClock
 
 
@@ -32,3 +32,10 @@ def test_a_batch_that_ends_at_its_first_token_has_no_decode_steps():
     t = timer.done()  # no first_token: the whole time is the first token's
     assert t == BatchTiming(1, 7, 0, t.first_s, 0.0, 0.0, 0.0) and round(t.first_s, 6) == 0.05
     assert "0 decode steps 0.0 ms each" in t.describe()
+
+
+def test_the_engines_log_line_is_told_from_other_lines():
+    line = log_line(BatchTiming(2, 9, 1, 0.1, 0.1, 0.02, 0.01))
+    assert line == "transformers batch of 2, prompt width 9: first token 100 ms (cpu 100), 1 decode steps 20.0 ms each (cpu 10.0)"
+    assert is_log_line(f"[2026-12-04 15:23:01,002: INFO/MainProcess] {line}")
+    assert not is_log_line("transformers engine ready in 3.1s (model=tiny, device=cpu)")
