@@ -230,6 +230,7 @@ def test_crashed_inference_container_comes_back_and_every_job_finishes_once(stac
             stack.wait(back, 120, "the restart policy to start the inference container again", every=0.2)
             _report(f"restarted_s[{stack.broker}]", time.monotonic() - t_kill)
             views = {j: _wait_job(c, j) for j in ids}
+            watch.wait_seen(ids)
             _report(f"jobs_done_after_crash_s[{stack.broker}]", time.monotonic() - t_kill)
     finally:
         watch.close()

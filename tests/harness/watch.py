@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 import psutil
 import redis
 
+from tests.harness.waiting import poll
+
 if TYPE_CHECKING:
     from tests.harness.pipe import Pipe
 
@@ -64,6 +66,14 @@ class ResultWatch:
         self.first_at.setdefault(tid, time.time())
         self.count[tid] = self.count.get(tid, 0) + 1
         self.digests.setdefault(tid, set()).add(hashlib.sha1(body.encode()).hexdigest())
+
+    def wait_seen(self, ids, within_s: float = 30.0) -> bool:
+        """Waits until each id's result was published, ``within_s`` at most; True when all
+        were. A job's record turns terminal in its last task's body, just before Celery
+        stores (and publishes) that task's result, so a test that saw every job terminal
+        waits here before it counts results."""
+        ids = list(ids)
+        return bool(poll(lambda: all(j in self.first_at for j in ids), within_s))
 
     def duplicated(self, ids) -> list[str]:
         return [i for i in ids if self.count.get(i, 0) > 1 and len(self.digests.get(i, ())) > 1]

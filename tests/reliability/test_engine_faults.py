@@ -21,7 +21,7 @@ import pytest
 
 from tests.harness import faults
 from tests.harness.faults import body
-from tests.harness.waiting import wait_until
+from tests.harness.waiting import wait_for, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -30,13 +30,19 @@ pipe, _healthy = faults.pipe, faults._healthy
 
 
 # -- batch failure isolation ---------------------------------------------------------------
+# The blocker's batch holds the engine at most this long; the job's prompts end the hold sooner.
+GATHER_HOLD_S = 60.0
+
+
 def _gathered_job(pipe, prompts, **kw):
-    """Submit ``prompts`` as one job while the engine is busy, so they form one batch."""
-    pipe.set_delay("batch", 0.8)
+    """Submit ``prompts`` as one job while the engine holds another batch, and let that batch
+    go once the inference worker holds every prompt of the job, so they form one batch."""
+    pipe.set_delay("batch", GATHER_HOLD_S)  # a hold: clear_delays ends it
     blocker = pipe.submit(body(0, "blocker"))
-    time.sleep(0.3)
+    wait_until(lambda: f"{blocker}-0" in pipe.ledger()[0], 60, "the blocker's batch in the engine")
     job = pipe.submit({"prompts": prompts, "max_tokens": 6, "temperature": 1.0, "ignore_eos": True, **kw})
-    time.sleep(0.4)
+    lease = pipe.lease("inference")
+    wait_until(lambda: pipe.held_count(lease) >= 1 + len(prompts), 60, "the job's prompts in the inference worker")
     pipe.clear_delays()
     views = pipe.wait_all([blocker, job], timeout=60)
     return job, views[job]
@@ -122,10 +128,12 @@ def test_pickled_message_in_the_queue_is_rejected_and_logged_not_executed(pipe, 
     pipe.r.ping()
     wait_until(lambda: pipe.r.llen("preprocess") == 0 and pipe.r.hlen("unacked") == 0, 20, "the message to be consumed",
                every=0.1)
-    time.sleep(0.5)
-    assert not marker.exists(), "a worker unpickled a message"
+    # the refusal is logged as the message is consumed: had it been unpickled, the marker would exist by then
+    refused = ("ContentDisallowed", "Refusing to deserialize")
+    wait_for(lambda: any(r in pipe.log("preprocess") for r in refused), 20)
     log = pipe.log("preprocess")
-    assert "ContentDisallowed" in log or "Refusing to deserialize" in log, log[-2000:]
+    assert any(r in log for r in refused), log[-2000:]
+    assert not marker.exists(), "a worker unpickled a message"
     assert pipe.alive("preprocess")
     ok = pipe.submit(body(5))
     assert pipe.wait_all([ok], timeout=60)[ok]["status"] == "succeeded"

@@ -135,6 +135,7 @@ def _kill(up, rel, broker, kind, *, pool_child=False):
                 ENGINE_RESTART_S[broker] = restart_s
             engine_restart_s = ENGINE_RESTART_S[broker]
             views = up.wait_all(ids, timeout=300)  # read through the API (the restarted one, after an API kill)
+            watch.wait_seen(ids)
     finally:
         watch.close()
     started, done = up.ledger()

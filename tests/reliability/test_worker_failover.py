@@ -94,6 +94,7 @@ def test_kill9_of_one_worker_hands_its_requests_to_the_other_and_every_job_ends_
             back_s = time.time() - t_kill
             texts = [s.join(120) for s in streams]
             views = pipe.wait_all([*ids, *late, *(s.job for s in streams)], timeout=120)
+            watch.wait_seen(views)
     finally:
         watch.close()
         pipe.clear_delays()
