@@ -159,15 +159,16 @@ class _Run:
 
 
 def _preflight(s: Settings, flower: bool, redis_explicit: bool, console: Console) -> bool:
-    """What can be checked before anything starts: the ports, the engine arguments, the
-    configured Redis (whether it answers) and every served model, prepared once here
-    before its workers start (llmpipe/models/served.py)."""
+    """What can be checked before anything starts: the ports, the configured Redis (whether
+    it answers), the engine arguments and every served model, prepared once here before its
+    workers start (llmpipe/models/served.py). The quick checks go first: checking engine
+    arguments imports vLLM (seconds), and preparing a model may download it."""
     for port, what, flag in [(s.api_port, "API", "--port"), *([(s.flower_port, "Flower", "--flower-port")] if flower else [])]:
         if port_in_use(port):
             raise PipelineError(f"port {port} for the {what} is already in use (choose another with {flag})")
+    configured = _configured_redis(s, redis_explicit)
     _check_engine_args(s)
     gpus = worker_gpus(s)  # several workers of a model: GPUs of their own, which must fit
-    configured = _configured_redis(s, redis_explicit)
     for m in s.served.models:
         try:
             model_path = resolve_model(m.source, s.models_dir, progress=True)
