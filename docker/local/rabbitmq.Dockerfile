@@ -14,5 +14,10 @@ RUN apt-get update \
  && chown -R rabbitmq:rabbitmq /var/lib/rabbitmq /etc/rabbitmq
 ENV RABBITMQ_LOGS=-
 USER rabbitmq
+WORKDIR /var/lib/rabbitmq
 EXPOSE 5672 15672
-CMD ["rabbitmq-server"]
+# The server's own start script as the container's main process, which stops the broker on
+# SIGTERM and writes to stdout. Debian's /usr/sbin/rabbitmq-server wrapper traps no signal
+# (as PID 1 it ignored `docker stop`, which killed the broker after its 10 s) and sends the
+# server's output to a file under /var/log/rabbitmq.
+CMD ["/usr/lib/rabbitmq/bin/rabbitmq-server"]

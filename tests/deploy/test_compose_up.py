@@ -13,9 +13,10 @@ For each broker (Redis, then RabbitMQ with its profile) the run:
   result stored per job, one finished engine run per request in the test-only ledger);
 - restarts Redis with `docker compose restart redis` while jobs are submitted: no accepted
   job is lost (AOF on the named volume `redis-data`);
-- stops with `docker compose down`: after the Redis run the volumes stay (the RabbitMQ run
-  reuses the prepared model and the compile cache); after the RabbitMQ run `down -v`
-  leaves no container, network or volume of the project.
+- stops with `docker compose stop`, where every container ends by its own shutdown (none
+  is killed at the end of its grace period), then `docker compose down`: after the Redis
+  run the volumes stay (the RabbitMQ run reuses the prepared model and the compile cache);
+  after the RabbitMQ run `down -v` leaves no container, network or volume of the project.
 
 It needs a Docker engine: the one running, or dockerd started here as root (Debian's
 docker.io installed where missing) and stopped at the end. Where none can run it is
@@ -310,11 +311,21 @@ def _job_trail(stack, views: dict[str, dict]) -> str:
     return "\n".join(out)
 
 
+def _stop_each_by_its_own_shutdown(stack) -> None:
+    """`docker compose stop`: every container ends on the SIGTERM it is sent, none is
+    killed when its grace period runs out (exit 137), which would cut a broker's or a
+    worker's shutdown short."""
+    stack.run("stop", timeout=300)
+    codes = {c["Name"]: c["State"]["ExitCode"] for name in stack.expected for c in stack.containers(name)}
+    assert not [n for n, code in codes.items() if code == 137], codes
+
+
 def test_down_leaves_nothing_of_the_project(stack):
+    t0 = time.monotonic()
+    _stop_each_by_its_own_shutdown(stack)
     if stack.broker == "redis":
         # `down` keeps the named volumes: the next `up` finds the model prepared, Redis's
         # data and the compile cache.
-        t0 = time.monotonic()
         stack.run("down", timeout=300)
         _report(f"down_s[{stack.broker}]", time.monotonic() - t0)
         left = project_objects(PROJECT)
@@ -322,7 +333,6 @@ def test_down_leaves_nothing_of_the_project(stack):
         names = set(project_objects(PROJECT)["volumes"])
         assert {f"{PROJECT}_{v}" for v in ("models", "redis-data", "vllm-cache")} <= names, names
     else:
-        t0 = time.monotonic()
         stack.run("down", "-v", timeout=300)
         _report(f"down_s[{stack.broker}]", time.monotonic() - t0)
         assert project_objects(PROJECT) == {"containers": [], "networks": [], "volumes": []}
