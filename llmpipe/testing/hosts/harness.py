@@ -75,6 +75,7 @@ class Hosts:
         self.prefix = f"lph-{os.getpid()}-{secrets.token_hex(2)}-"
         self.hosts: dict[str, Host] = {}
         self.proxies: list[Child] = []
+        self.servers: list[Child] = []  # the Redis servers and Sentinels
         self._routes: dict[tuple, str] = {}
         self._addresses = iter(self.subnet.hosts())
         next(self._addresses)  # .1 stays free, like a gateway would be
@@ -192,27 +193,33 @@ class Hosts:
         argv = [redis_binary(), *([str(conf)] if conf else []), "--bind", self.addr(host), "--port", str(port),
                 "--dir", str(data), "--save", "", "--appendonly", "no", "--daemonize", "no",
                 "--protected-mode", "no", *args]
-        self.spawn(host, name, argv)
+        self.servers.append(self.spawn(host, name, argv))
         self.wait_port(host, self.addr(host), port, what=f"{name} on {host}")
         return f"redis://{self.addr(host)}:{port}/0"
 
     def stop_children(self, timeout: float = 30.0) -> bool:
-        """Warm: SIGTERM, then SIGKILL at ``timeout``; proxies stop last."""
-        order = [[c.name for c in self.sup.children if c not in self.proxies]]
-        return self.sup.stop(timeout=timeout, order=order)
+        """Warm: SIGTERM, then SIGKILL at ``timeout`` (see _stop_order)."""
+        return self.sup.stop(timeout=timeout, order=self._stop_order())
+
+    def _stop_order(self) -> list[list[str]]:
+        """The applications first, while the Redis servers and Sentinels they talk to still
+        answer (a worker's warm shutdown writes to Redis, and waited out its retries when
+        Redis stopped beside it); then those servers; the proxies, unnamed here, last."""
+        infra = {c.name for c in (*self.proxies, *self.servers)}
+        return [[c.name for c in self.sup.children if c.name not in infra], [c.name for c in self.servers]]
 
     # ----------------------------------------------------------------- tear-down
 
     def close(self, timeout: float = 10.0) -> None:
-        """Everything goes: processes (warm for ``timeout``, then killed), namespaces,
-        veths, the bridge. Safe to call twice and from a failing test."""
+        """Everything goes: processes (warm for ``timeout``, then killed; in stop_children's
+        order), namespaces, veths, the bridge. Safe to call twice and from a failing test."""
         if self.closed:
             return
         self.closed = True
         atexit.unregister(self.close)
         errors = []
         try:
-            self.sup.stop(timeout=timeout)
+            self.sup.stop(timeout=timeout, order=self._stop_order())
         except Exception as e:  # keep going: the namespaces must go whatever happened
             errors.append(e)
         for h in self.hosts.values():

@@ -1,6 +1,6 @@
 """The hosts harness: namespaces that reach each other and nothing else, a measured 20 ms
-round trip on a route, partition and host death (for failover tests), and a complete
-tear-down when the owner fails or is killed."""
+round trip on a route, partition and host death (for failover tests), applications stopped
+before the Redis they talk to, and a complete tear-down when the owner fails or is killed."""
 
 from __future__ import annotations
 
@@ -107,6 +107,36 @@ def test_kill_host_kills_every_process_in_it(hosts):
     assert sleeper.proc.pid in killed and len(killed) >= 2
     assert netns.ns_pids(hosts.hosts["doomed"].ns) == []
     sleeper.proc.wait(5)
+
+
+# A process whose warm shutdown writes to Redis, as a Celery worker's does (its readiness key).
+_WRITES_ON_SIGTERM = textwrap.dedent("""
+    import signal, sys, time
+    import redis
+    r = redis.Redis.from_url(sys.argv[1], socket_connect_timeout=1, socket_timeout=1)
+    def stop(*_):
+        time.sleep(0.5)  # its work in hand ends first
+        r.set("stopped", "warm")
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, stop)
+    r.set("started", "1")
+    while True:
+        time.sleep(1)
+""")
+
+
+def test_applications_stop_before_the_redis_they_talk_to(hosts):
+    hosts.add("a")
+    url = hosts.start_redis("a")
+    hosts.spawn("a", "app", [sys.executable, "-c", _WRITES_ON_SIGTERM, url])
+    r = redis.Redis.from_url(url, socket_connect_timeout=2)
+    end = time.monotonic() + 30
+    while hosts.call("a", r.get, "started") is None:
+        assert time.monotonic() < end, "the app did not start"
+        time.sleep(0.1)
+    assert hosts.stop_children(timeout=10)  # warm: the app's last write reached Redis
+    app = next(c for c in hosts.sup.children if c.name == "a.app")
+    assert app.proc.returncode == 0
 
 
 _OWNER = textwrap.dedent("""
