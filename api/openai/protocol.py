@@ -141,13 +141,7 @@ class _Common(SamplingFields):
             stop=self.stops(), ignore_eos=self.ignore_eos, logprobs=self.sample_logprobs(),
             prompt_logprobs=self.prompt_logprobs, echo=self.echoes() or bool(self.return_token_ids),
             structured=self.structured(),
-            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            top_k=self.top_k or 0, min_p=self.min_p or 0.0, min_tokens=self.min_tokens, logit_bias=self.bias(),
-            bad_words=list(dict.fromkeys(self.bad_words)), allowed_token_ids=self.allowed_token_ids,
-            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens,
-            truncate_prompt_tokens=self.truncate_prompt_tokens, truncation_side=self.truncation_side,
+            **self.vllm_params(),
         ))
 
     def sample_logprobs(self) -> int | None:

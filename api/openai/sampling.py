@@ -63,6 +63,19 @@ class SamplingFields(BaseModel):
                             spaces_between_special_tokens=self.spaces_between_special_tokens,
                             include_stop_str_in_output=self.include_stop_str_in_output, min_tokens=self.min_tokens)
 
+    def vllm_params(self) -> dict[str, Any]:
+        """These fields as SamplingParams arguments, unset ones at vLLM's defaults."""
+        return {
+            "presence_penalty": self.presence_penalty or 0.0, "frequency_penalty": self.frequency_penalty or 0.0,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "top_k": self.top_k or 0, "min_p": self.min_p or 0.0, "min_tokens": self.min_tokens,
+            "logit_bias": self.bias(), "bad_words": list(dict.fromkeys(self.bad_words)),
+            "allowed_token_ids": self.allowed_token_ids, "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens, "truncation_side": self.truncation_side,
+        }
+
     def bias(self) -> dict[int, float] | None:
         """``logit_bias`` with vLLM's conversion: integer keys, biases clamped to [-100, 100]."""
         if self.logit_bias is None:

@@ -23,20 +23,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from llmpipe.broker.leases import CLOCK_LUA, now_arg
+
 _KEY = "llmpipe:batch-lease:"
 KEEP_S = 7 * 24 * 3600  # a lease key nobody holds any more is dropped after this
 
-_CLOCK = """
-local function clock(a)
-  if a ~= '' then return tonumber(a) end
-  local t = redis.call('TIME')
-  return tonumber(t[1]) + tonumber(t[2]) / 1000000
-end
-"""
 
 # KEYS: lease. ARGV: now|'', owner, ttl, keep. Takes a lease nobody holds or whose expiry
 # passed (or renews one the owner holds). Replies {1, previous holder or ''} or {0, holder}.
-_ACQUIRE = _CLOCK + """
+_ACQUIRE = CLOCK_LUA + """
 local now = clock(ARGV[1])
 local h = redis.call('HMGET', KEYS[1], 'holder', 'until')
 if h[1] and h[1] ~= ARGV[2] and tonumber(h[2]) > now then return {0, h[1]} end
@@ -51,7 +46,7 @@ return {1, prev}
 # KEYS: lease. ARGV: now|'', owner, ttl. 1 renewed; 0 another process holds it, or nobody
 # (it was released or lapsed and was taken). A lease past its expiry that nobody took yet is
 # renewed: nothing was handed on.
-_RENEW = _CLOCK + """
+_RENEW = CLOCK_LUA + """
 local now = clock(ARGV[1])
 if redis.call('HGET', KEYS[1], 'holder') ~= ARGV[2] then return 0 end
 redis.call('HSET', KEYS[1], 'until', now + tonumber(ARGV[3]))
@@ -59,7 +54,7 @@ return 1
 """
 
 # KEYS: lease. ARGV: now|'', owner. 1 while the owner holds it and it has not lapsed.
-_HELD = _CLOCK + """
+_HELD = CLOCK_LUA + """
 local now = clock(ARGV[1])
 local h = redis.call('HMGET', KEYS[1], 'holder', 'until')
 if h[1] == ARGV[2] and tonumber(h[2]) > now then return 1 end
@@ -112,7 +107,7 @@ class BatchLeases:
     def _now(self, now: float | None) -> str:
         if now is None and self._clock is not None:
             now = self._clock()
-        return "" if now is None else repr(float(now))
+        return now_arg(now)
 
     def acquire(self, batch_id: str, now: float | None = None) -> Taken:
         ok, other = self._acquire(keys=[lease_key(batch_id)], args=[self._now(now), self.owner, self.ttl_s, KEEP_S])

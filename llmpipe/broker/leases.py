@@ -196,7 +196,8 @@ return out
 """
 
 
-# For other scripts on Redis server time (llmpipe/routing/, llmpipe/broker/worker_queues.py).
+# For other scripts on Redis server time (llmpipe/routing/, llmpipe/broker/worker_queues.py,
+# llmpipe/batches/lease.py).
 CLOCK_LUA = _CLOCK
 
 
