@@ -60,6 +60,7 @@ class BatchTimer:
 
 
 def log_line(t: BatchTiming) -> str:
+    """The engine's log line for a batch's timing."""
     return LOG_PREFIX + t.describe()
 
 

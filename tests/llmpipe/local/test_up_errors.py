@@ -1,6 +1,6 @@
 """`llmpipe up` startup errors: one line, a non-zero exit, no hang: the API's port in use, a
-model path that does not exist, an explicit Redis that does not answer, and an engine that
-cannot start (no process left)."""
+model path that does not exist, an explicit Redis that does not answer (said before the engine
+arguments are checked), and an engine that cannot start (no process left)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,14 @@ def test_missing_model_path(tmp_path):
 
 def test_explicit_redis_that_does_not_answer(tmp_path):
     result = run_up(tmp_path, "--port", str(free_port()), "--redis-url", f"redis://127.0.0.1:{free_port()}/0")
+    assert result.returncode != 0
+    assert "does not answer" in error_line(result)
+
+
+def test_a_dead_redis_is_said_before_the_engine_arguments_are_checked(tmp_path):
+    # The engine-argument check imports vLLM (seconds); the Redis check answers at once.
+    result = run_up(tmp_path, "--port", str(free_port()), "--redis-url", f"redis://127.0.0.1:{free_port()}/0",
+                    "--engine-arg", "tensor_paralel_size=2")
     assert result.returncode != 0
     assert "does not answer" in error_line(result)
 
