@@ -66,7 +66,7 @@ class EmbeddedRedis:
     """
 
     def __init__(self, data_dir: Path, port: int | None = None, appendonly: bool = True):
-        self.data_dir = Path(data_dir)
+        self.data_dir = Path(data_dir).absolute()  # redis-server reads --logfile after its chdir to --dir
         self.port = port or free_port()
         self.appendonly = appendonly
         self.proc: subprocess.Popen | None = None

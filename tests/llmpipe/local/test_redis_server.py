@@ -55,6 +55,15 @@ def test_stop_is_idempotent(tmp_path):
     assert not (tmp_path / "appendonly.aof").exists()
 
 
+def test_a_relative_data_dir_is_where_it_says(tmp_path, monkeypatch):
+    """As `llmpipe bench --out bench-results` gives it: redis-server changes to --dir before it
+    opens --logfile, so a relative path once pointed under itself and the server exited 1."""
+    monkeypatch.chdir(tmp_path)
+    with EmbeddedRedis(Path("out/redis"), appendonly=False) as server:
+        assert redis_answers(server.url)
+    assert (tmp_path / "out" / "redis" / "redis.log").is_file()
+
+
 def test_ports_and_answers():
     port = free_port()
     assert not port_in_use(port)
