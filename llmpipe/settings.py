@@ -168,6 +168,11 @@ class Settings(BaseSettings):
     # 1/16: 4 of the inference worker's 64, measured in docs/benchmarks.md "The Batch API".
     lane_batch_slot_share: float = Field(0.0625, gt=0.0, le=1.0)
     lane_slot_hold_s: float = Field(30.0, ge=0.0)
+    # While the batch lane is held to its share, at most this many of its requests are in
+    # their prefill at once on a continuous engine (the next enters at the engine's first token
+    # for one before it), so that an interactive request never shares a step with a burst of
+    # batch prefills (docs/benchmarks.md "The Batch API").
+    lane_batch_starting: int = Field(1, ge=1)
     # Between interactive requests, the share of each consumer's prefetch that batch-lane
     # messages never take on Redis (rounded down), so that the first interactive request
     # after a quiet spell finds a thread: 4 of the inference worker's 64.

@@ -91,7 +91,7 @@ def start_inference(engine: Any, r: redis.Redis, s: Settings, model: ServedModel
             published=lambda job_id: read_published(r, job_id), stream_parser=stream_parser(resources),
             batch_lane=lambda req: lane_for(req.priority, s.lane_batch_priority) is Lane.BATCH,
             batch_lane_slots=batch_lane_slots(s.lane_batch_slot_share, engine_running_slots(engine, s)),
-            batch_lane_hold_s=s.lane_slot_hold_s,
+            batch_lane_hold_s=s.lane_slot_hold_s, batch_lane_starting=s.lane_batch_starting,
         )
     except BaseException:
         publisher.close()

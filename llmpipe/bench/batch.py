@@ -213,8 +213,11 @@ async def _interactive(url: str, prompts: list[str], rate: float, max_tokens: in
 
 
 def _pcts(xs: list[float | None]) -> dict:
+    """The percentiles, and every request's TTFT in the order sent (None: failed), so that an
+    outlier can be placed in time."""
     ok = [x for x in xs if x is not None]
-    return {"n": len(xs), "ok": len(ok), "p50": percentile(ok, 50), "p99": percentile(ok, 99)}
+    return {"n": len(xs), "ok": len(ok), "p50": percentile(ok, 50), "p99": percentile(ok, 99),
+            "ttft_s": [None if x is None else round(x, 4) for x in xs]}
 
 
 def interactive(stack: Stack, inp: Path, prompts: list[str], o: BatchBenchOptions) -> dict:

@@ -16,7 +16,9 @@ workers/inference_runtime.py): vLLM admits waiting requests by
 priority, but it preempts a running one only when the KV cache is short, never for a
 waiting request of higher priority, and every running request shares each step, batch-lane
 prefills included: the share keeps a slot free for an interactive request and bounds the
-batch work its steps carry. On Redis every consumer likewise holds batch-lane messages in at
+batch work its steps carry, and ``lane_batch_starting`` of those are in their prefill at once
+(batch requests of one length that start together end together, and their successors'
+prefills would share one step). On Redis every consumer likewise holds batch-lane messages in at
 most that share of its prefetch (:class:`BatchClaims`), so an interactive message always finds
 a thread to take it. Both hold for ``lane_slot_hold_s`` after the last interactive request;
 between interactive requests a Redis consumer still leaves ``lane_interactive_reserve`` of its

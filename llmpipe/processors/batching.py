@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -111,6 +111,13 @@ class Batcher(Generic[T]):
     With ``cap_hold_s`` the cap holds only for that long after the last uncapped item came:
     a batch-only load keeps every slot (work-conserving), and the first interactive request
     after a quiet spell brings the cap back as the running batch requests finish.
+
+    ``starting_cap``: while the cap holds, at most that many capped items are starting at
+    once: dispatched, and neither ``started(key(item))`` (the engine's first output for it:
+    its prefill is done) nor their batch returned. The batch lane's prefills then go through
+    the engine a few at a time. Without it, the batch requests that fill the cap together
+    also end together (same length), and the next ones prefill together, in the step that
+    an interactive request arriving then shares (docs/benchmarks.md "The Batch API").
     """
 
     def __init__(
@@ -127,6 +134,8 @@ class Batcher(Generic[T]):
         capped: Callable[[T], bool] | None = None,
         cap: int | None = None,
         cap_hold_s: float | None = None,
+        starting_cap: int | None = None,
+        key: Callable[[T], Hashable] = id,
     ):
         self._run_batch = run_batch
         self._window = BatchWindow(window_s, max_size, clock)
@@ -143,6 +152,11 @@ class Batcher(Generic[T]):
         self._capped_in_flight = 0
         self._cap_hold_s = cap_hold_s
         self._uncapped_at: float | None = None  # when the last uncapped item was submitted
+        if starting_cap is not None and (cap is None or starting_cap < 1):
+            raise ValueError("starting_cap needs a cap, and must be >= 1")
+        self._starting_cap = starting_cap
+        self._key = key
+        self._starting: set[Hashable] = set()  # capped items dispatched, not started yet
         self._cond = threading.Condition()
         self._pending: list[_Pending[T]] = []
         self._stopping = False
@@ -170,6 +184,13 @@ class Batcher(Generic[T]):
                 self._uncapped_at = now
             self._cond.notify_all()
         return fut
+
+    def started(self, key: Hashable) -> None:
+        """The engine's first output for the item of ``key``: it no longer counts as starting."""
+        with self._cond:
+            if key in self._starting:
+                self._starting.discard(key)
+                self._cond.notify_all()
 
     @property
     def running(self) -> bool:
@@ -213,12 +234,19 @@ class Batcher(Generic[T]):
             return None
         return max(0.0, self._uncapped_at + self._cap_hold_s - self._clock())
 
+    def _capped_room(self) -> int:
+        """How many more capped items may go to the engine while the cap holds."""
+        room = max(0, self._cap - self._capped_in_flight)
+        if self._starting_cap is not None:
+            room = min(room, max(0, self._starting_cap - len(self._starting)))
+        return room
+
     def _eligible(self) -> int:
         """How many pending items may go to the engine now (the cap holds the rest back)."""
         if not self._cap_holds():
             return len(self._pending)
         capped = sum(1 for p in self._pending if self._is_capped(p))
-        return len(self._pending) - capped + min(capped, max(0, self._cap - self._capped_in_flight))
+        return len(self._pending) - capped + min(capped, self._capped_room())
 
     def _take_batch(self) -> list[_Pending[T]] | None:
         with self._cond:
@@ -261,11 +289,14 @@ class Batcher(Generic[T]):
         else:
             batch = self._select_within_cap(m)
         if self._capped is not None:
-            self._capped_in_flight += sum(1 for p in batch if self._is_capped(p))
+            capped = [p for p in batch if self._is_capped(p)]
+            self._capped_in_flight += len(capped)
+            if self._starting_cap is not None:
+                self._starting.update(self._key(p.item) for p in capped)
         return batch
 
     def _select_within_cap(self, m: int) -> list[_Pending[T]]:
-        room = max(0, self._cap - self._capped_in_flight)
+        room = self._capped_room()
         batch, rest = [], []
         for p in self._pending:
             if len(batch) >= m:
@@ -315,6 +346,8 @@ class Batcher(Generic[T]):
         finally:
             if self._capped is not None:
                 with self._cond:
-                    self._capped_in_flight -= sum(1 for p in batch if self._is_capped(p))
+                    capped = [p for p in batch if self._is_capped(p)]
+                    self._capped_in_flight -= len(capped)
+                    self._starting.difference_update(self._key(p.item) for p in capped)
                     self._cond.notify_all()
             self._slots.release()

@@ -62,7 +62,8 @@ class InferenceProcessor:
     ``published(job_id)`` reads the ids already published for a job's requests.
     ``batch_lane(req)`` tells a batch-lane request; on a continuous engine at most
     ``batch_lane_slots`` of them run at once (the batcher holds the rest), for
-    ``batch_lane_hold_s`` after the last interactive request (None: always).
+    ``batch_lane_hold_s`` after the last interactive request (None: always), and at most
+    ``batch_lane_starting`` of those are in their prefill at once.
 
     Request migration: tokens that were emitted are never taken back, because a streaming
     client may already show them. A request that runs again (its batch failed after it
@@ -91,6 +92,7 @@ class InferenceProcessor:
         batch_lane: Callable[[TokenizedRequest], bool] | None = None,
         batch_lane_slots: int | None = None,
         batch_lane_hold_s: float | None = None,
+        batch_lane_starting: int | None = None,
         clock: WallClock = time.time,
     ):
         self.engine = engine
@@ -125,7 +127,8 @@ class InferenceProcessor:
             # A continuous engine runs at most batch_lane_slots batch-lane requests, so an
             # interactive one finds a running slot free (vLLM never preempts for it) and shares
             # its steps with at most that many batch requests' prefills.
-            **({"capped": batch_lane, "cap": batch_lane_slots, "cap_hold_s": batch_lane_hold_s}
+            **({"capped": batch_lane, "cap": batch_lane_slots, "cap_hold_s": batch_lane_hold_s,
+                "starting_cap": batch_lane_starting, "key": lambda r: r.request_id}
                if engine.continuous and batch_lane is not None and batch_lane_slots is not None else {}),
         )
 
@@ -302,7 +305,12 @@ class InferenceProcessor:
             base_of = {r.request_id: bases[i] for i, r in todo}
             publisher = self._publisher
 
+            begun: set[str] = set()
+
             def on_tokens(rid: str, ids: list[int]) -> None:
+                if rid not in begun:  # its prefill is done: the batcher may start the next one
+                    begun.add(rid)
+                    self.batcher.started(rid)
                 base = base_of.get(rid)
                 full = [*base, *ids] if base else ids
                 # Not when its task already gave up on it (deadline), nor when it reruns whole.

@@ -205,6 +205,84 @@ def test_cap_needs_its_predicate():
         Batcher(lambda items: items, window_s=0.0, max_size=4, capped=lambda i: True, cap=0)
 
 
+def test_capped_items_start_one_at_a_time_while_the_cap_holds():
+    """starting_cap 1: the next capped item goes to the engine only at the first output of
+    the one before (started), or when its batch returns; uncapped items never wait for it."""
+    release = threading.Event()
+    cond = threading.Condition()
+    seen: list[list[int]] = []
+
+    def run(items):
+        with cond:
+            seen.append(list(items))
+            cond.notify_all()
+        release.wait(5)
+        return list(items)
+
+    b = Batcher(run, window_s=0.0, max_size=8, concurrent_batches=8, company_expected=lambda: False,
+                order=lambda i: 0 if i < 100 else 10, capped=lambda i: i >= 100, cap=3, starting_cap=1,
+                key=lambda i: f"r{i}")
+    try:
+        inter = b.submit(1)  # no cap_hold_s: the cap always holds
+        with cond:
+            assert cond.wait_for(lambda: len(seen) == 1, timeout=5)
+        futs = [b.submit(i) for i in range(100, 104)]
+        with cond:
+            assert cond.wait_for(lambda: len(seen) == 2, timeout=5)
+        assert seen == [[1], [100]] and b.pending() == 3
+        b.submit(2)
+        with cond:
+            assert cond.wait_for(lambda: len(seen) == 3, timeout=5)
+        assert seen[2] == [2]  # an interactive item passes the starting one
+        b.started("r1")  # not a capped item's key: nothing moves
+        b.started("r100")
+        with cond:
+            assert cond.wait_for(lambda: len(seen) == 4, timeout=5)
+        assert seen[3] == [101] and b.pending() == 2
+        b.started("r101")
+        b.started("r102")  # before it was sent: counts for nothing
+        with cond:
+            assert cond.wait_for(lambda: len(seen) == 5, timeout=5)
+        assert seen[4] == [102] and b.pending() == 1  # 103 waits on 102 and on the cap of 3
+        b.started("r102")
+        assert b.pending() == 1  # three capped items run: the cap holds it
+        release.set()
+        assert inter.result(5) == 1 and [f.result(5) for f in futs] == list(range(100, 104))
+        assert seen[5] == [103]
+    finally:
+        release.set()
+        b.stop()
+
+
+def test_a_returned_batch_frees_its_starting_items():
+    """An item that never produced (cancelled, failed) stops counting as starting when its
+    batch returns."""
+    cond = threading.Condition()
+    seen: list[list[int]] = []
+
+    def run(items):
+        with cond:
+            seen.append(list(items))
+            cond.notify_all()
+        return list(items)
+
+    b = Batcher(run, window_s=0.0, max_size=8, concurrent_batches=8, company_expected=lambda: False,
+                order=lambda i: 0 if i < 100 else 10, capped=lambda i: i >= 100, cap=4, starting_cap=1)
+    try:
+        futs = [b.submit(i) for i in range(100, 103)]
+        assert [f.result(5) for f in futs] == [100, 101, 102]
+        assert seen == [[100], [101], [102]]
+    finally:
+        b.stop()
+
+
+def test_starting_cap_needs_a_cap():
+    with pytest.raises(ValueError):
+        Batcher(lambda items: items, window_s=0.0, max_size=4, starting_cap=1)
+    with pytest.raises(ValueError):
+        Batcher(lambda items: items, window_s=0.0, max_size=4, capped=lambda i: True, cap=2, starting_cap=0)
+
+
 def test_the_cap_holds_only_while_uncapped_items_came_recently():
     """Work-conserving slot share: with no interactive item in cap_hold_s, capped items use
     every slot; an interactive one brings the cap back for cap_hold_s (fake clock)."""

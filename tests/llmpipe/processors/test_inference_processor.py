@@ -196,3 +196,56 @@ def test_a_continuous_engine_runs_at_most_the_batch_lane_slots_and_an_interactiv
             released.update({"j-0", "j-1", "j-2"})
             cond.notify_all()
         p.shutdown()
+
+
+def test_the_next_batch_lane_request_enters_the_engine_at_the_first_token_of_the_one_before():
+    """batch_lane_starting 1: batch-lane requests go through their prefill one at a time, so
+    no engine step carries several of them; the first token (on_tokens) lets the next one in."""
+    cond = threading.Condition()
+    emit: set[str] = set()
+    released: set[str] = set()
+
+    class PrefillingEngine(FakeEngine):
+        continuous = True
+
+        def generate(self, batch, on_tokens=None):
+            [r] = batch
+            with cond:
+                self.batches.append(r.request_id)
+                cond.notify_all()
+                cond.wait_for(lambda: r.request_id in emit, timeout=10)
+            on_tokens(r.request_id, [1])  # its prefill is done
+            with cond:
+                cond.wait_for(lambda: r.request_id in released, timeout=10)
+            return [EngineOutput(r.request_id, [1], FinishReason.LENGTH)]
+
+    eng = PrefillingEngine()
+    p = InferenceProcessor(eng, window_s=0.0, max_size=4, company_expected=lambda: False, clock=ManualClock(),
+                           batch_lane=lambda r: r.priority >= 10, batch_lane_slots=2, batch_lane_starting=1)
+    everyone = {"j-0", "j-1", "j-2"}
+    ts = [threading.Thread(target=p.process, args=(_req(i).model_copy(update={"priority": 10}),)) for i in (0, 1)]
+    try:
+        [t.start() for t in ts]
+        with cond:
+            assert cond.wait_for(lambda: len(eng.batches) == 1, timeout=5)
+        first = eng.batches[0]
+        ts.append(threading.Thread(target=p.process, args=(_req(2),)))  # interactive: passes both
+        ts[-1].start()
+        with cond:
+            assert cond.wait_for(lambda: len(eng.batches) == 2, timeout=5)
+            assert eng.batches[1] == "j-2" and p.batcher.pending() == 1  # two slots, but one in its prefill
+            emit.add(first)
+            cond.notify_all()
+            assert cond.wait_for(lambda: len(eng.batches) == 3, timeout=5)  # while the first still runs
+            assert first not in released
+            emit.update(everyone)
+            released.update(everyone)
+            cond.notify_all()
+        [t.join(5) for t in ts]
+        assert not any(t.is_alive() for t in ts)
+    finally:
+        with cond:
+            emit.update(everyone)
+            released.update(everyone)
+            cond.notify_all()
+        p.shutdown()
