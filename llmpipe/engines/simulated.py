@@ -149,6 +149,7 @@ class _Seq:
     arrived: float = 0.0  # engine clock: when generate() handed it over
     admitted: float | None = None  # engine clock: when it joined the running set
     finished: float | None = None  # engine clock
+    on_tokens: TokenCallback | None = None  # told its tokens after each step, as vLLM streams them
 
     @property
     def prompt_len(self) -> int:
@@ -168,7 +169,7 @@ class SimulatedContinuousEngine(SimulatedGpuEngine):
       left and fewer than ``max_batch_size`` (vLLM's ``max_num_seqs``) run; the last one
       may get only a chunk of its prompt;
     * a request emits its first token in the step that computes the last of its prompt,
-      then one per step;
+      then one per step, and ``on_tokens`` hears them after each step (vLLM's outputs);
     * a step costs ``prefill_s_per_token`` per prompt token computed in it plus
       ``step_s(requests in the step)``;
     * no preemption: vLLM preempts (the lowest priority first) only when the KV cache
@@ -196,17 +197,17 @@ class SimulatedContinuousEngine(SimulatedGpuEngine):
     def max_num_seqs(self) -> int:
         return self.cost.max_batch_size
 
-    def enqueue(self, r: EngineRequest) -> _Seq:
+    def enqueue(self, r: EngineRequest, on_tokens: TokenCallback | None = None) -> _Seq:
         """Into the waiting queue; call with the lock held (or without a scheduler thread)."""
         toks, reason = self._tokens(r)
-        s = _Seq(r, toks, reason, threading.Event(), arrived=self._clock())
+        s = _Seq(r, toks, reason, threading.Event(), arrived=self._clock(), on_tokens=on_tokens)
         heapq.heappush(self._waiting, (r.priority, self._arrivals, s))
         self._arrivals += 1
         return s
 
     def generate(self, batch: list[EngineRequest], on_tokens: TokenCallback | None = None) -> list[EngineOutput]:
         with self._cond:
-            seqs = [self.enqueue(r) for r in batch]
+            seqs = [self.enqueue(r, on_tokens) for r in batch]
             self._cond.notify_all()
         outs = []
         for s in seqs:
@@ -290,11 +291,14 @@ class SimulatedContinuousEngine(SimulatedGpuEngine):
             now = time.time()
             with self._cond:
                 self.busy_s += self._clock() - t0
-                self.apply_step(step, now)
+                produced = self.apply_step(step, now)
+            self._tell(produced)
 
-    def apply_step(self, step: list[tuple[_Seq, int]], now: float) -> None:
-        """What a step computed; call with the lock held. Finished requests leave."""
+    def apply_step(self, step: list[tuple[_Seq, int]], now: float) -> list[tuple[_Seq, list[int]]]:
+        """What a step computed; call with the lock held. Finished requests leave (generate
+        hands them their tokens); returns the others that made a token, with their tokens so far."""
         self.batches += 1
+        produced = []
         for s, n in step:
             if s.prefilled < s.prompt_len:
                 s.prefilled += n
@@ -306,6 +310,19 @@ class SimulatedContinuousEngine(SimulatedGpuEngine):
             if s.cancelled or s.produced >= len(s.tokens):
                 self._running.remove(s)
                 self._finish(s)
+            elif s.on_tokens is not None:
+                produced.append((s, s.tokens[: s.produced]))
+        return produced
+
+    @staticmethod
+    def _tell(produced: list[tuple[_Seq, list[int]]]) -> None:
+        """The step's tokens to their callbacks, outside the lock; a failing one hears no more."""
+        for s, toks in produced:
+            try:
+                s.on_tokens(s.req.request_id, toks)
+            except Exception:
+                s.on_tokens = None
+                log.exception("on_tokens callback failed for %s; no more callbacks for it", s.req.request_id)
 
     def shutdown(self) -> None:
         with self._cond:

@@ -141,6 +141,25 @@ def test_the_continuous_engine_prefills_in_chunks_within_the_step_token_budget()
     ])
 
 
+def test_the_continuous_engine_streams_each_steps_tokens_as_vllm_does():
+    """on_tokens after every step that made a token, from the first (its prompt's last chunk)
+    on, with the tokens so far; the finished request's tokens come with generate's answer."""
+    from llmpipe.engines.simulated import SimulatedContinuousEngine
+
+    t = FakeTime()
+    cost = SimulatedGpuCost(max_batch_size=8, max_num_batched_tokens=256)
+    engine = SimulatedContinuousEngine(cost, sleep=t.sleep, clock=t.clock)
+    heard: list[tuple[str, list[int], int]] = []  # (request, tokens, steps run by then)
+    try:
+        [out] = engine.generate([req(0, prompt_len=512, max_tokens=3)],
+                                lambda rid, toks: heard.append((rid, toks, len(t.sleeps))))
+    finally:
+        engine.shutdown()
+    # two prompt chunks of 256 (the first token in the second step), then a token a step
+    assert [(rid, len(toks), steps) for rid, toks, steps in heard] == [("r0", 1, 2), ("r0", 2, 3), ("r0", 3, 4)]
+    assert heard[1][1] == out.token_ids[:2] and heard[-1][1] == out.token_ids
+
+
 def test_a_waiting_high_priority_request_does_not_preempt_a_full_running_set():
     """vLLM preempts only when the KV cache is short: an interactive request that arrives
     while every running slot is taken waits for one, then joins before older batch ones."""
