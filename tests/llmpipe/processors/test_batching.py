@@ -6,6 +6,29 @@ from llmpipe.processors.batching import Batcher, BatchWindow
 from tests.harness.clock import ManualClock
 
 
+class Recorder:
+    """A run_batch that records each batch it is handed, then (``hold``) waits for ``release``."""
+
+    def __init__(self, hold: bool = True):
+        self.cond = threading.Condition()
+        self.seen: list[list[int]] = []
+        self.release = threading.Event()
+        self.hold = hold
+
+    def run(self, items):
+        with self.cond:
+            self.seen.append(list(items))
+            self.cond.notify_all()
+        if self.hold:
+            self.release.wait(5)
+        return list(items)
+
+    def batches(self, n: int) -> bool:
+        """Whether the n-th batch came within 5 s."""
+        with self.cond:
+            return self.cond.wait_for(lambda: len(self.seen) == n, timeout=5)
+
+
 def test_window_not_ready_at_49ms_ready_at_50ms():
     clock = ManualClock(100.0)
     w = BatchWindow(window_s=0.050, max_size=8, clock=clock)
@@ -208,70 +231,47 @@ def test_cap_needs_its_predicate():
 def test_capped_items_start_one_at_a_time_while_the_cap_holds():
     """starting_cap 1: the next capped item goes to the engine only at the first output of
     the one before (started), or when its batch returns; uncapped items never wait for it."""
-    release = threading.Event()
-    cond = threading.Condition()
-    seen: list[list[int]] = []
-
-    def run(items):
-        with cond:
-            seen.append(list(items))
-            cond.notify_all()
-        release.wait(5)
-        return list(items)
-
-    b = Batcher(run, window_s=0.0, max_size=8, concurrent_batches=8, company_expected=lambda: False,
+    e = Recorder()
+    b = Batcher(e.run, window_s=0.0, max_size=8, concurrent_batches=8, company_expected=lambda: False,
                 order=lambda i: 0 if i < 100 else 10, capped=lambda i: i >= 100, cap=3, starting_cap=1,
                 key=lambda i: f"r{i}")
     try:
         inter = b.submit(1)  # no cap_hold_s: the cap always holds
-        with cond:
-            assert cond.wait_for(lambda: len(seen) == 1, timeout=5)
+        assert e.batches(1)
         futs = [b.submit(i) for i in range(100, 104)]
-        with cond:
-            assert cond.wait_for(lambda: len(seen) == 2, timeout=5)
-        assert seen == [[1], [100]] and b.pending() == 3
+        assert e.batches(2)
+        assert e.seen == [[1], [100]] and b.pending() == 3
         b.submit(2)
-        with cond:
-            assert cond.wait_for(lambda: len(seen) == 3, timeout=5)
-        assert seen[2] == [2]  # an interactive item passes the starting one
+        assert e.batches(3)
+        assert e.seen[2] == [2]  # an interactive item passes the starting one
         b.started("r1")  # not a capped item's key: nothing moves
         b.started("r100")
-        with cond:
-            assert cond.wait_for(lambda: len(seen) == 4, timeout=5)
-        assert seen[3] == [101] and b.pending() == 2
+        assert e.batches(4)
+        assert e.seen[3] == [101] and b.pending() == 2
         b.started("r101")
         b.started("r102")  # before it was sent: counts for nothing
-        with cond:
-            assert cond.wait_for(lambda: len(seen) == 5, timeout=5)
-        assert seen[4] == [102] and b.pending() == 1  # 103 waits on 102 and on the cap of 3
+        assert e.batches(5)
+        assert e.seen[4] == [102] and b.pending() == 1  # 103 waits on 102 and on the cap of 3
         b.started("r102")
         assert b.pending() == 1  # three capped items run: the cap holds it
-        release.set()
+        e.release.set()
         assert inter.result(5) == 1 and [f.result(5) for f in futs] == list(range(100, 104))
-        assert seen[5] == [103]
+        assert e.seen[5] == [103]
     finally:
-        release.set()
+        e.release.set()
         b.stop()
 
 
 def test_a_returned_batch_frees_its_starting_items():
     """An item that never produced (cancelled, failed) stops counting as starting when its
     batch returns."""
-    cond = threading.Condition()
-    seen: list[list[int]] = []
-
-    def run(items):
-        with cond:
-            seen.append(list(items))
-            cond.notify_all()
-        return list(items)
-
-    b = Batcher(run, window_s=0.0, max_size=8, concurrent_batches=8, company_expected=lambda: False,
+    e = Recorder(hold=False)
+    b = Batcher(e.run, window_s=0.0, max_size=8, concurrent_batches=8, company_expected=lambda: False,
                 order=lambda i: 0 if i < 100 else 10, capped=lambda i: i >= 100, cap=4, starting_cap=1)
     try:
         futs = [b.submit(i) for i in range(100, 103)]
         assert [f.result(5) for f in futs] == [100, 101, 102]
-        assert seen == [[100], [101], [102]]
+        assert e.seen == [[100], [101], [102]]
     finally:
         b.stop()
 
