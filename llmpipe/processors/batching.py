@@ -187,6 +187,8 @@ class Batcher(Generic[T]):
 
     def started(self, key: Hashable) -> None:
         """The engine's first output for the item of ``key``: it no longer counts as starting."""
+        if self._starting_cap is None:  # nothing is counted: no lock on the engine's thread
+            return
         with self._cond:
             if key in self._starting:
                 self._starting.discard(key)
