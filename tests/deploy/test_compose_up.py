@@ -20,7 +20,9 @@ For each broker (Redis, then RabbitMQ with its profile) the run:
 
 It needs a Docker engine: the one running, or dockerd started here as root (Debian's
 docker.io installed where missing) and stopped at the end. Where none can run it is
-skipped, but under CI=true it fails. Test-only additions are in compose.e2e.yml.
+skipped, but under CI=true it fails. Test-only additions are in compose.e2e.yml. In a run
+in several processes (`make test`) the run's controller starts the engine and builds the
+images from the run's start, beside the other tests (tests/deploy/prebuild.py).
 
 The Redis run's engine has vLLM's own defaults (compiled: torch.compile on the CPU), as
 the compose file ships them. The RabbitMQ run pins the tests' float32 and eager engine
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import threading
 import time
 from collections import Counter
@@ -43,7 +44,8 @@ import redis
 
 from tests.deploy import docker_engine
 from tests.deploy.compose_spec import CPU_INFERENCE_WORKERS
-from tests.deploy.compose_stack import IMAGES_SCRIPT, Stack, compose_cli, docker, free_port, project_objects
+from tests.deploy.compose_stack import Stack, compose_cli, docker, free_port, project_objects
+from tests.deploy.prebuild import ImagesBuild, prebuilt
 from tests.harness.engine import TEST_ENGINE_ENV
 from tests.harness.watch import ResultWatch
 
@@ -68,9 +70,10 @@ def _report(key: str, value: float) -> None:
 
 
 @pytest.fixture(scope="session")
-def engine(tmp_path_factory):
+def engine(request, tmp_path_factory):
+    pre = prebuilt(request.config)  # the run's controller made it, where it runs the workers
     try:
-        e = docker_engine.ensure(tmp_path_factory.mktemp("dockerd"))
+        e = pre.engine() if pre else docker_engine.ensure(tmp_path_factory.mktemp("dockerd"))
     except docker_engine.EngineUnavailable as exc:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(f"no Docker engine: {exc} (CI=true: this fails, never skips)", pytrace=False)
@@ -87,18 +90,18 @@ def cli(engine) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def images_env(engine, cli, tmp_path_factory):
-    """The images, built (or found cached) by scripts/compose-images.sh; its env file."""
+def images_env(request, engine, cli, tmp_path_factory):
+    """The images, built (or found cached) by scripts/compose-images.sh, here or by the run's
+    controller beside the other tests (tests/deploy/prebuild.py); its env file."""
     out = tmp_path_factory.mktemp("images") / "images.env"
-    env = {**os.environ, "LLMPIPE_COMPOSE": " ".join(cli)}
-    t0 = time.monotonic()
-    r = subprocess.run([str(IMAGES_SCRIPT)], capture_output=True, text=True, timeout=1500, env=env, check=False)
-    _report("images_s", time.monotonic() - t0)
-    print(r.stderr[-3000:] if r.returncode else "\n".join(ln for ln in r.stderr.splitlines()
-                                                        if ln.startswith("compose-images:")))
-    assert r.returncode == 0, r.stderr[-6000:]
-    out.write_text(r.stdout)
-    for line in r.stdout.splitlines():
+    pre = prebuilt(request.config)
+    r = pre.images() if pre else ImagesBuild(cli).run()
+    _report("images_s", r["seconds"])
+    print(r["stderr"][-3000:] if r["returncode"] else "\n".join(ln for ln in r["stderr"].splitlines()
+                                                              if ln.startswith("compose-images:")))
+    assert r["returncode"] == 0, r["stderr"][-6000:]
+    out.write_text(r["stdout"])
+    for line in r["stdout"].splitlines():
         name, _, image = line.partition("=")
         if name.endswith("_IMAGE") and image:
             size = docker("image", "inspect", "-f", "{{.Size}}", image).stdout.strip()

@@ -2,7 +2,8 @@
 be imported).
 
 - ``plugin``: the pytest plugin (tests/conftest.py loads it): the session's Redis, the tiny
-  models, the brokers and the each_broker rule, ``borrow``, the reliability table.
+  models, the brokers and the each_broker rule, ``borrow``, the reliability table; in an
+  xdist controller, the Compose run's images built from the run's start (tests/deploy/prebuild.py).
 - ``engine``: the engine every test stack runs (float32, eager) and vLLM's CPU environment.
 - ``stacks``: a LocalPipeline on the tests' settings (``start_pipeline``), ``teardown``, and
   ``SharedPipeline``, one that the modules asking for the same engine and broker borrow.

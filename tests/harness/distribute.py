@@ -21,17 +21,18 @@ import pytest
 from tests.harness.shared import keys_of
 
 # The modules that run longest in `make test` (its durations report): each one's group is
-# handed out before every other group, in this order. The Compose test goes first (its image
-# build takes the most); the second worker meanwhile runs the multiworker bench, which only
-# prints its numbers, and the kill matrix comes last of these, once that build is over: its
+# handed out before every other group, in this order. The Compose test comes after the
+# first four: the run's controller builds its images from the run's start, beside them
+# (tests/deploy/prebuild.py), where it used to hold a test process for a cold build's
+# minutes. The kill matrix comes last of these, and waits for that build to end: its
 # inference worker's restart loads and compiles the engine again, and beside the build it
 # had not served within 300 s of the kill in CI, against 34 s alone.
 LONGEST = (
-    "tests/deploy/test_compose_up.py",
     "tests/llmpipe/bench/test_multiworker.py",
     "tests/reliability/test_overload.py",
     "tests/reliability/test_worker_failover.py",
     "tests/llmpipe/local/test_up_inference_workers.py",
+    "tests/deploy/test_compose_up.py",
     "tests/reliability/test_kill_matrix.py",
 )
 

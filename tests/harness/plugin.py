@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from llmpipe.local.redis_server import EmbeddedRedis
+from tests.deploy.prebuild import ControllerPlugin
 from tests.harness import rows
 from tests.harness.brokers import AMQP_URL, TEST_BROKERS, check_rabbitmq, delete_vhost, make_vhost, reset_broker_queues
 from tests.harness.distribute import distribute
@@ -22,11 +23,14 @@ MODEL_CACHE = Path(os.environ.get("LLMPIPE_TEST_CACHE", Path.home() / ".cache" /
 
 def pytest_configure(config):
     """The scheduler of the xdist groups (tests/harness/xdist_groups.py), where pytest-xdist
-    runs (a dev dependency; ``-p no:xdist`` turns it off)."""
+    runs (a dev dependency; ``-p no:xdist`` turns it off); in its controller, the Compose
+    run's engine and images made from the run's start (tests/deploy/prebuild.py)."""
     if config.pluginmanager.hasplugin("xdist"):
         from tests.harness import xdist_groups  # it imports xdist itself
 
         config.pluginmanager.register(xdist_groups, "llmpipe-xdist-groups")
+        if xdist_groups.controlling(config):
+            config.pluginmanager.register(ControllerPlugin(), "llmpipe-compose-prebuild")
 
 
 # -- the session's Redis and models ----------------------------------------------------------

@@ -49,13 +49,13 @@ class GroupScheduling(LoadScopeScheduling):
         return self._groups.get(nodeid, nodeid.split("::", 1)[0])
 
 
-def _controlling(config) -> bool:
+def controlling(config) -> bool:
     return not hasattr(config, "workerinput") and config.getoption("dist", "no") != "no"
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config):
-    if _controlling(config):
+    if controlling(config):
         fd, path = tempfile.mkstemp(prefix="llmpipe-xdist-groups-", suffix=".json")
         os.close(fd)
         os.unlink(path)

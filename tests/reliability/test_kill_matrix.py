@@ -31,6 +31,8 @@ import time
 import psutil
 import pytest
 
+from tests.deploy.prebuild import wait_for_image_build
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 JOBS = 40
@@ -49,7 +51,8 @@ RESTART_WAIT_S = (300.0, 900.0)
 
 
 @pytest.fixture(scope="module")
-def up(rel, tmp_path_factory, tiny_model, broker, broker_url):
+def up(request, rel, tmp_path_factory, tiny_model, broker, broker_url):
+    wait_for_image_build(request.config)  # the restarts' wait is set from this start, alone
     t0 = time.monotonic()
     u = rel.start_up(tmp_path_factory.mktemp(f"matrix-{broker}"), model=tiny_model, broker_url=broker_url)
     started_s = time.monotonic() - t0
