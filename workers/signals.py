@@ -7,8 +7,11 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 
 import redis
+from celery.exceptions import WorkerShutdown
+from celery.platforms import EX_OK
 from celery.signals import (
     task_failure,
     worker_init,
@@ -89,6 +92,9 @@ def _warm_cpu_stage(sender=None, **_):
                 _cannot_warm(f"tokenizer for model {m.name} ({m.source})", exc)
 
 
+_loading = threading.Event()  # set while _warm loads the engine
+
+
 @worker_ready.connect
 def _warm(sender=None, **_):
     # The inference worker loads its engine before taking traffic, so the first request
@@ -97,10 +103,13 @@ def _warm(sender=None, **_):
         s = context().settings
         log.info("loading engine %s for model %s (queue %s)", s.engine.value, context().own_model.name,
                  context().own_model.queue)
+        _loading.set()
         try:
             context().inference()
         except Exception as exc:  # a worker without an engine must not take traffic
             _cannot_warm(f"engine {s.engine.value}", exc)
+        finally:
+            _loading.clear()
         log.info("engine ready")
 
 
@@ -141,6 +150,19 @@ def _leave_routing(**_):
     # As a warm shutdown begins: preprocess routes nothing more to this worker's own queue,
     # while the requests it holds finish (llmpipe/routing/).
     context().leave_routing()
+
+
+@worker_shutting_down.connect
+def _stop_while_loading(sig=None, **_):
+    # Runs in Celery's signal handler, on the main thread, which may be in _warm's load: a
+    # worker whose engine is still loading holds no request (it runs none before its engine
+    # is up, and what its consumer prefetched goes back to the broker), so a warm shutdown
+    # has nothing to wait for, and stops now instead of after the load (the seconds of a
+    # tiny model, a compile's minutes). WorkerShutdown unwinds the load, which takes down
+    # an engine core it started, and Celery stops with exit code 0.
+    if _loading.is_set():
+        log.warning("%s while the engine loads: stopping now, with no request held", sig)
+        raise WorkerShutdown(EX_OK)
 
 
 @worker_shutdown.connect

@@ -26,6 +26,8 @@ Keys (all optional):
 - both delays can also be set while the workers run, in the Redis hash
   ``llmpipe:test:delays`` (field ``batch`` or a task name, value in seconds); such a delay
   is a hold: it ends early when the field is deleted (a test clears it at a kill);
+- the field ``load`` of that hash holds an engine's load (the wrapping of the engine, at
+  the end of its load) so, for a test that stops a worker while its engine loads;
 - ``ledger``: count, per request id, engine attempts and completions in the Redis hashes
   ``llmpipe:test:engine-started`` and ``llmpipe:test:engine-done``.
 
@@ -223,6 +225,7 @@ def wrap_from_env(engine: Engine, settings: Any, model_path: str | None) -> Engi
         return tok.decode(ids)
 
     r = from_settings(settings, socket_timeout=5, socket_connect_timeout=3)
+    _hold(r, "load", _runtime_delay(r, "load"))
     return FaultInjectingEngine(engine, spec, decode, r)
 
 

@@ -5,12 +5,16 @@ against it; and an inference worker started on the pool that cannot serve it."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 import httpx
 import pytest
 import redis
 from celery.utils.nodenames import gethostname
+
+from llmpipe.testing import faulty
+from tests.harness.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -75,6 +79,34 @@ def test_inference_worker_on_prefork_refuses_before_taking_a_message(plain):
     assert view["status"] == "succeeded", view
     assert len(view["result"]["results"][0]["token_ids"]) == 8
     print(f"\nrefusing worker exited in {plain.refused_s:.1f}s (busy 2-core machine)")
+
+
+def _log(child) -> str:
+    return child.log_path.read_text() if child.log_path.exists() else ""  # made by its first line
+
+
+def test_a_warm_shutdown_while_the_engine_loads_stops_without_waiting_for_it(plain):
+    """A second inference worker, told to stop (SIGTERM) while its engine loads, stops at
+    once with code 0: the load is held for an hour (llmpipe/testing/faulty.py's ``load``
+    hold), and the worker never says its engine is ready."""
+    r = redis.Redis.from_url(plain.redis_url)
+    r.hset(faulty.DELAYS_KEY, "load", 3600)
+    try:
+        w = plain.start("loading", "worker", "-Q", "inference", "-n", "loading@%h", "-l", "INFO",
+                        env=faulty.env({}))
+        wait_until(lambda: "loading engine" in _log(w) or not w.running, 240,
+                   "the second inference worker to begin its engine's load")
+        assert w.running, _log(w)[-3000:]
+        w.proc.send_signal(signal.SIGTERM)
+        code = w.proc.wait(timeout=120)
+        wait_until(lambda: w.proc.stdout.closed, 30, "its log copied whole")  # the supervisor's copy ended
+    finally:
+        r.hdel(faulty.DELAYS_KEY, "load")
+        r.close()
+    log = _log(w)
+    assert code == 0, log[-3000:]
+    assert "SIGTERM while the engine loads: stopping now, with no request held" in log, log[-3000:]
+    assert "engine ready" not in log and "Traceback" not in log, log[-3000:]
 
 
 def test_a_job_runs_to_success_on_plain_celery_workers(plain):
