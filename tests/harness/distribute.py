@@ -21,19 +21,21 @@ import pytest
 from tests.harness.shared import keys_of
 
 # The modules that run longest in `make test` (its durations report): each one's group is
-# handed out before every other group, in this order. The Compose test comes after the
-# first four: the run's controller builds its images from the run's start, beside them
-# (tests/deploy/prebuild.py), where it used to hold a test process for a cold build's
-# minutes. The kill matrix comes last of these, and waits for that build to end: its
-# inference worker's restart loads and compiles the engine again, and beside the build it
-# had not served within 300 s of the kill in CI, against 34 s alone.
+# handed out before every other group, in this order. The run's controller builds the
+# Compose test's images from the run's start (tests/deploy/prebuild.py): a cold build took
+# 6.5 min beside the tests here, so the two modules that wait for it (the Compose test, and
+# the kill matrix: its inference worker's restart compiles the engine again, and beside the
+# build it had not served within 300 s of the kill in CI, against 34 s alone) come last of
+# these, after long groups that wait for nothing.
 LONGEST = (
     "tests/llmpipe/bench/test_multiworker.py",
     "tests/reliability/test_overload.py",
     "tests/reliability/test_worker_failover.py",
     "tests/llmpipe/local/test_up_inference_workers.py",
-    "tests/deploy/test_compose_up.py",
+    "tests/benchmarks/test_gpu_rehearsal.py",
+    "tests/integration/test_batches.py",
     "tests/reliability/test_kill_matrix.py",
+    "tests/deploy/test_compose_up.py",
 )
 
 
