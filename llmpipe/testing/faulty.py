@@ -26,8 +26,8 @@ Keys (all optional):
 - both delays can also be set while the workers run, in the Redis hash
   ``llmpipe:test:delays`` (field ``batch`` or a task name, value in seconds); such a delay
   is a hold: it ends early when the field is deleted (a test clears it at a kill);
-- the field ``load`` of that hash holds an engine's load (the wrapping of the engine, at
-  the end of its load) so, for a test that stops a worker while its engine loads;
+- the field ``load`` of that hash holds an engine's load at its end (where the engine is
+  wrapped), for a test that stops a worker while its engine loads;
 - ``ledger``: count, per request id, engine attempts and completions in the Redis hashes
   ``llmpipe:test:engine-started`` and ``llmpipe:test:engine-done``.
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from tests.deploy import docker_engine
 from tests.deploy.compose_stack import IMAGES_SCRIPT, compose_cli
-from tests.harness.waiting import wait_until
+from tests.harness.waiting import poll, wait_until
 
 COMPOSE_MODULE = "tests/deploy/test_compose_up.py"
 FOLDER_KEY = "llmpipe_compose_prebuild"  # the workers' workerinput: the folder of the two files
@@ -141,22 +141,24 @@ class Prebuilt:
 
     def images(self) -> dict:
         """The build's outcome (``skipped`` where the run has no Compose test)."""
-        return wait_until(lambda: _read(self.folder / IMAGES_FILE) or self._engine_failed(),
-                          ENGINE_TIMEOUT_S + BUILD_TIMEOUT_S, "the run's controller to build the Compose images",
-                          every=0.5)
+        return wait_until(self.outcome, ENGINE_TIMEOUT_S + BUILD_TIMEOUT_S,
+                          "the run's controller to build the Compose images", every=0.5)
 
-    def _engine_failed(self) -> dict | None:
-        got = _read(self.folder / ENGINE_FILE)
-        return {"returncode": None, "stdout": "", "stderr": got["error"], "seconds": 0.0} if got and got["error"] else None
+    def outcome(self) -> dict | None:
+        """The build's outcome, or None while it goes on."""
+        got = _read(self.folder / IMAGES_FILE)
+        if got is None and (engine := _read(self.folder / ENGINE_FILE)) and engine["error"]:
+            got = {"returncode": None, "stdout": "", "stderr": engine["error"], "seconds": 0.0}
+        return got
 
 
-def wait_for_image_build(config) -> None:
-    """Returns once no image build of this run is going on. For a test that a build beside it
-    would starve: a compiled inference worker's restart did not serve within 300 s of its
-    kill beside the build in CI, against 34 s alone."""
+def wait_for_image_build(config, timeout: float = 240.0) -> bool:
+    """Whether no image build of this run goes on, within ``timeout`` s at most (then the
+    caller goes on beside it). For a test that a build beside it would starve: a compiled
+    inference worker's restart did not serve within 300 s of its kill beside the build in
+    CI, against 34 s alone."""
     pre = prebuilt(config)
-    if pre is not None:
-        pre.images()
+    return pre is None or bool(poll(pre.outcome, timeout, every=0.5))
 
 
 def prebuilt(config) -> Prebuilt | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -94,3 +95,11 @@ def test_a_stopped_build_leaves_no_process_behind(tmp_path):
     assert not t.is_alive() and outcome["returncode"] != 0
     for pid in (shell, child):
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
+
+
+def test_the_wait_for_a_build_is_bounded_and_says_whether_it_ended(tmp_path):
+    config = SimpleNamespace(workerinput={prebuild.FOLDER_KEY: str(tmp_path)})
+    assert prebuild.wait_for_image_build(config, timeout=0.2) is False  # a build still going on
+    (tmp_path / prebuild.IMAGES_FILE).write_text(json.dumps({"returncode": 0, "stdout": "", "stderr": "",
+                                                             "seconds": 1.0}))
+    assert prebuild.wait_for_image_build(config, timeout=0.2) is True

@@ -52,7 +52,9 @@ RESTART_WAIT_S = (300.0, 900.0)
 
 @pytest.fixture(scope="module")
 def up(request, rel, tmp_path_factory, tiny_model, broker, broker_url):
-    wait_for_image_build(request.config)  # the restarts' wait is set from this start, alone
+    # The restarts' wait is set from this start, made alone; at most 240 s of waiting, inside
+    # the 1800 s of the module's first test.
+    wait_for_image_build(request.config)
     t0 = time.monotonic()
     u = rel.start_up(tmp_path_factory.mktemp(f"matrix-{broker}"), model=tiny_model, broker_url=broker_url)
     started_s = time.monotonic() - t0
