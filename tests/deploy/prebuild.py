@@ -3,12 +3,14 @@ run in several processes (pytest-xdist's controller), while the test processes r
 tests; tests/deploy/test_compose_up.py's fixtures wait for them.
 
 A cold build (debootstrap, apt and pip downloads, then the image layers: about 4.5 min
-here, and the cores mostly idle meanwhile) held one of the two test processes from the
-run's start when the Compose fixture made it. The controller now starts it as soon as a
+here, much of it waiting on downloads) held one of the two test processes from the run's
+start when the Compose fixture made it. The controller now starts it as soon as a
 worker's collection shows a Compose test, and passes its outcome to the workers through
-two files in a folder of its own. dockerd runs niced (tests/deploy/docker_engine.py), so
-the tests beside the build keep the CPU. In one process (``-n0``, ``-p no:xdist``) the
-fixtures make both themselves, as then nothing else would run meanwhile.
+two files in a folder of its own. The build shares the cores with the tests: dockerd's
+nice (tests/deploy/docker_engine.py) does not reach across the kernel's autogroups, one
+per session, so the tests beside it run slower; the overlap wins on its downloads. In one
+process (``-n0``, ``-p no:xdist``) the fixtures make both themselves, as then nothing else
+would run meanwhile.
 
 What the controller starts it stops: the build at the end of the run (or a Ctrl-C), and a
 dockerd it started."""
@@ -95,11 +97,9 @@ class Prebuild:
     def _run(self) -> None:
         try:
             self.engine = docker_engine.ensure(self.folder)
-        except docker_engine.EngineUnavailable as exc:
-            _write(self.folder / ENGINE_FILE, {"error": str(exc)})
-            return
-        except Exception as exc:  # noqa: BLE001 - the workers' fixtures fail with it, rather than wait
-            _write(self.folder / ENGINE_FILE, {"error": f"{type(exc).__name__}: {exc}"})
+        except Exception as exc:  # noqa: BLE001 - the workers' fixtures fail (or skip) with it, rather than wait
+            unavailable = isinstance(exc, docker_engine.EngineUnavailable)
+            _write(self.folder / ENGINE_FILE, {"error": str(exc) if unavailable else f"{type(exc).__name__}: {exc}"})
             return
         _write(self.folder / ENGINE_FILE, {"error": None})
         cli = compose_cli()
@@ -140,8 +140,10 @@ class Prebuilt:
         return docker_engine.Engine()
 
     def images(self) -> dict:
-        """The build's outcome (``skipped`` where the run has no Compose test)."""
-        return wait_until(self.outcome, ENGINE_TIMEOUT_S + BUILD_TIMEOUT_S,
+        """The build's outcome (``skipped`` where the run has no Compose test). Called after
+        ``engine``: the build had begun, and the controller ends it by BUILD_TIMEOUT_S, within
+        the Compose tests' own timeout."""
+        return wait_until(self.outcome, BUILD_TIMEOUT_S + 60.0,
                           "the run's controller to build the Compose images", every=0.5)
 
     def outcome(self) -> dict | None:
