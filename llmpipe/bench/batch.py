@@ -39,6 +39,7 @@ import click
 import httpx
 from rich.console import Console
 
+from llmpipe.bench.batch_report import TARGETS, markdown
 from llmpipe.bench.machine import run_meta
 from llmpipe.bench.prompts import make_prompts
 from llmpipe.bench.stats import percentile
@@ -49,7 +50,6 @@ from llmpipe.settings import Settings
 
 CHAT = "/v1/chat/completions"
 ENDED = ("completed", "failed", "expired", "cancelled")
-TARGETS = {"throughput_ratio": 0.9, "ttft_ratio": 1.25}
 
 
 @dataclass
@@ -189,21 +189,25 @@ def throughput(stack: Stack, inp: Path, one: Path, model_path: str, out: Path) -
     return res
 
 
-async def _ttft(http: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> float | None:
+async def _ttft(http: httpx.AsyncClient, url: str, prompt: str, max_tokens: int) -> tuple[float | None, str | None]:
+    """The request's time to its first text, and its job id (from the chunks' ``chatcmpl-`` id).
+    The stream is read to its end, as a client reads it: the request runs whole (a client that
+    left at the first token would cancel its job, and lighten the load the figure measures)."""
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True}
+    ttft, job = None, None
     t0 = time.perf_counter()
     async with http.stream("POST", f"{url}{CHAT}", json=body) as r:
         if r.status_code != 200:
-            return None
+            return None, None
         async for line in r.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                delta = (json.loads(line[6:]).get("choices") or [{}])[0].get("delta") or {}
-                if delta.get("content"):
-                    return time.perf_counter() - t0
-    return None
+            if ttft is None and line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if ((chunk.get("choices") or [{}])[0].get("delta") or {}).get("content"):
+                    ttft, job = time.perf_counter() - t0, chunk.get("id", "").removeprefix("chatcmpl-") or None
+    return ttft, job
 
 
-async def _interactive(url: str, prompts: list[str], rate: float, max_tokens: int) -> list[float | None]:
+async def _interactive(url: str, prompts: list[str], rate: float, max_tokens: int) -> list[tuple]:
     async with httpx.AsyncClient(timeout=600) as http:
         tasks = []
         for p in prompts:
@@ -212,19 +216,35 @@ async def _interactive(url: str, prompts: list[str], rate: float, max_tokens: in
         return list(await asyncio.gather(*tasks))
 
 
-def _pcts(xs: list[float | None]) -> dict:
-    """The percentiles, and every request's TTFT in the order sent (None: failed), so that an
-    outlier can be placed in time."""
-    ok = [x for x in xs if x is not None]
-    return {"n": len(xs), "ok": len(ok), "p50": percentile(ok, 50), "p99": percentile(ok, 99),
-            "ttft_s": [None if x is None else round(x, 4) for x in xs]}
+def _stages(url: str, job_id: str | None) -> dict | None:
+    """The job's stage timings, {stage: [queue wait, run]} in seconds (None: not readable). The
+    inference wait includes the batcher's window and any lane cap; what TTFT has beyond the
+    stages' waits and preprocess's run is the engine's prefill and the relay of the first token."""
+    if job_id is None:
+        return None
+    try:
+        r = httpx.get(f"{url}/v1/jobs/{job_id}", timeout=30)
+        results = (r.json().get("result") or {}).get("results") or [{}]
+    except (httpx.HTTPError, ValueError):
+        return None
+    return {k: [round(v["queue_wait_s"], 4), round(v["run_s"], 4)] for k, v in results[0].get("timings", {}).items()}
+
+
+def _pcts(url: str, got: list[tuple]) -> dict:
+    """The percentiles, and every request in the order sent: its TTFT (None: failed), job id
+    and stage timings, so that an outlier can be placed in time and in the pipeline."""
+    ok = [t for t, _ in got if t is not None]
+    return {"n": len(got), "ok": len(ok), "p50": percentile(ok, 50), "p99": percentile(ok, 99),
+            "ttft_s": [None if t is None else round(t, 4) for t, _ in got],
+            "requests": [{"ttft_s": None if t is None else round(t, 4), "job": j, "stages": _stages(url, j)}
+                         for t, j in got]}
 
 
 def interactive(stack: Stack, inp: Path, prompts: list[str], o: BatchBenchOptions) -> dict:
-    idle = _pcts(asyncio.run(_interactive(stack.url, prompts, o.rate, o.max_tokens)))
+    idle = _pcts(stack.url, asyncio.run(_interactive(stack.url, prompts, o.rate, o.max_tokens)))
     batch_id = submit(stack.url, inp)
     wait_batch(stack.url, batch_id, 600, until=lambda b: (b["request_counts"] or {}).get("completed", 0) > 0)
-    loaded = _pcts(asyncio.run(_interactive(stack.url, prompts, o.rate, o.max_tokens)))
+    loaded = _pcts(stack.url, asyncio.run(_interactive(stack.url, prompts, o.rate, o.max_tokens)))
     b = batch_state(stack.url, batch_id) or {}
     still = b.get("status") == "in_progress"
     httpx.post(f"{stack.url}/v1/batches/{batch_id}/cancel", timeout=30)
@@ -301,45 +321,6 @@ def met(res: dict) -> bool:
     if "crash" in res:
         ok.append(res["crash"]["exactly_once"])
     return all(ok)
-
-
-def _f(x, fmt: str = "{:.1f}") -> str:
-    return "-" if x is None else fmt.format(x)
-
-
-def markdown(res: dict) -> str:
-    o = res["options"]
-    lines = [f"# Batch API: {o['lines']} lines, {o['prompt_tokens']}-token prompts, max_tokens {o['max_tokens']}",
-             "", f"{res['meta']['machine']}; {res['meta']['started']}; model {res['model_path']}", ""]
-    if "throughput" in res:
-        lines += _throughput_md(res["throughput"])
-    if "interactive" in res:
-        lines += _interactive_md(res["interactive"])
-    if "crash" in res:
-        c = res["crash"]
-        lines += [(f"Crashes ({c['lines']} lines; kill -9 of inference at 1/5, of the API at 1/2): batch "
-                   f"{c['status']}, {c['rows']} rows, {c['missing']} missing, {c['duplicates']} duplicated; "
-                   f"exactly once: {c['exactly_once']}"), ""]
-    return "\n".join(lines)
-
-
-def _throughput_md(t: dict) -> list[str]:
-    lp, rb = t["llmpipe"], t["run_batch"]
-    return ["| server | seconds | output tok/s | lines ok |", "|---|---|---|---|",
-            f"| llmpipe /v1/batches | {_f(lp['seconds'])} | {_f(lp['tok_s'])} | {lp['ok']}/{lp['lines']} |",
-            (f"| vllm run_batch | {_f(rb['seconds'])} | {_f(rb['tok_s'])} ({_f(rb['tok_s_after_startup'])} after its "
-             f"{_f(rb['startup_seconds'])} s start-up) | {rb['ok']}/{rb['lines']} |"), "",
-            (f"llmpipe / run_batch: {_f(t['ratio'], '{:.2f}')}x (after start-up), "
-             f"{_f(t['ratio_whole_run'], '{:.2f}')}x (whole run); target >= {TARGETS['throughput_ratio']}x"), ""]
-
-
-def _interactive_md(i: dict) -> list[str]:
-    rows = [f"| {k} | {_f(i[k]['p50'], '{:.3f}')} | {_f(i[k]['p99'], '{:.3f}')} | {i[k]['ok']}/{i[k]['n']} |"
-            for k in ("idle", "draining")]
-    return ["| interactive TTFT (s) | p50 | p99 | ok |", "|---|---|---|---|", *rows, "",
-            (f"draining / idle: p50 {_f(i['ratio']['p50'], '{:.2f}')}x, p99 {_f(i['ratio']['p99'], '{:.2f}')}x; "
-             f"target <= {TARGETS['ttft_ratio']}x (the batch still draining at the end: "
-             f"{i['batch_still_draining_at_end']})"), ""]
 
 
 @click.command("batch")
