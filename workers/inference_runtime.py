@@ -82,10 +82,12 @@ def start_inference(engine: Any, r: redis.Redis, s: Settings, model: ServedModel
         metrics.BATCH_WAIT.labels(model.name).observe(wait_s)
 
     publisher = TokenPublisher(r)
+    queues = (model.queue, *([own_queue] if own_queue else []))
     try:
         proc = InferenceProcessor(
             engine, window_s=s.batch_window_ms / 1000.0, max_size=s.max_batch_size,
-            company_expected=queue_probe(r, (model.queue, *([own_queue] if own_queue else [])), s), on_batch=on_batch,
+            company_expected=queue_probe(r, queues, s), interactive_company=queue_probe(r, queues, s, Lane.INTERACTIVE),
+            on_batch=on_batch,
             publisher=publisher, cancelled_jobs=lambda ids: cancel.cancelled(r, ids),
             on_engine_dead=lambda exc: engine_died(exc, amqp=s.broker_is_amqp),
             published=lambda job_id: read_published(r, job_id), stream_parser=stream_parser(resources),
@@ -126,14 +128,15 @@ def sample_engine(proc: InferenceProcessor, model: str, worker: str = "", every_
         time.sleep(every_s)
 
 
-def queue_probe(r: redis.Redis, queue: str | tuple[str, ...], s: Settings | None = None):
-    """Company is expected while more requests wait in the broker queue (any of ``queue``)."""
+def queue_probe(r: redis.Redis, queue: str | tuple[str, ...], s: Settings | None = None, lane: Lane | None = None):
+    """Company is expected while more requests (of ``lane``, when given) wait in the broker
+    queue (any of ``queue``). On AMQP both lanes share one queue, whose depth counts both."""
     queues = (queue,) if isinstance(queue, str) else tuple(queue)
     if s is not None and s.broker_is_amqp:
         depths = AmqpDepths(s.effective_broker_url)
         return lambda: any(depths.sample(queues).depths.values())
 
-    keys = [k for q in queues for k in queue_keys(q)]  # every priority list of each (llmpipe/jobs/lanes.py)
+    keys = [k for q in queues for k in queue_keys(q, lane)]  # the priority lists of each (llmpipe/jobs/lanes.py)
 
     def probe() -> bool:
         # Redis deletes a list when it empties, so "any list exists" is "a message waits":

@@ -70,9 +70,11 @@ def lane_of_message(properties: dict | None) -> Lane:
     return Lane.BATCH if pri >= BROKER_PRIORITY[Lane.BATCH] else Lane.INTERACTIVE
 
 
-def queue_keys(queue: str) -> list[str]:
-    """Every Redis list that holds ``queue``'s messages, in the order consumers claim them."""
-    return [queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}" for step in PRIORITY_STEPS]
+def queue_keys(queue: str, lane: Lane | None = None) -> list[str]:
+    """Every Redis list that holds ``queue``'s messages (of ``lane`` only, when given), in the
+    order consumers claim them."""
+    steps = [st for st in PRIORITY_STEPS if lane is None or lane_of_message({"priority": st}) is lane]
+    return [queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}" for step in steps]
 
 
 def batch_lane_slots(share: float, running_slots: int) -> int:

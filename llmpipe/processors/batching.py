@@ -118,6 +118,11 @@ class Batcher(Generic[T]):
     the engine a few at a time. Without it, the batch requests that fill the cap together
     also end together (same length), and the next ones prefill together, in the step that
     an interactive request arriving then shares (docs/benchmarks.md "The Batch API").
+
+    ``uncapped_company``: while the cap holds, the window waits only for company this probe
+    expects (uncapped items waiting in the broker), not for ``company_expected``'s: capped
+    items waiting there join a batch one by one through the cap, so an uncapped item that
+    waited out the window for them would wait for nothing.
     """
 
     def __init__(
@@ -128,6 +133,7 @@ class Batcher(Generic[T]):
         max_size: int,
         concurrent_batches: int = 1,
         company_expected: Callable[[], bool] | None = None,
+        uncapped_company: Callable[[], bool] | None = None,
         on_batch: Callable[[int, float], None] | None = None,
         clock: Clock = time.monotonic,
         order: Callable[[T], Any] | None = None,
@@ -141,6 +147,7 @@ class Batcher(Generic[T]):
         self._window = BatchWindow(window_s, max_size, clock)
         self._clock = clock
         self._company_expected = company_expected or (lambda: True)
+        self._uncapped_company = uncapped_company
         self._on_batch = on_batch
         # A batch takes the pending items with the smallest keys first, arrival order among
         # equals (vLLM's priority: the interactive lane before a batch backlog).
@@ -209,9 +216,10 @@ class Batcher(Generic[T]):
         self._thread.join(timeout=5 if wait else 0)
         self._pool.shutdown(wait=wait)
 
-    def _expect_company(self) -> bool:
+    def _expect_company(self, uncapped_only: bool = False) -> bool:
+        probe = self._uncapped_company if uncapped_only and self._uncapped_company is not None else self._company_expected
         try:
-            return bool(self._company_expected())
+            return bool(probe())
         except Exception:  # a failing probe must not stall batching; assume company
             log.debug("company_expected probe failed", exc_info=True)
             return True
@@ -263,11 +271,12 @@ class Batcher(Generic[T]):
                     continue
                 if self._stopping or self._window.ready(size):  # full, or the window has passed
                     break
-                # The probe is a network round trip (LLEN): made without the lock, so that
+                # The probe is a network round trip (EXISTS): made without the lock, so that
                 # submit() never waits on Redis.
+                uncapped_only = self._cap_holds()
                 self._cond.release()
                 try:
-                    expected = self._expect_company()
+                    expected = self._expect_company(uncapped_only)
                 finally:
                     self._cond.acquire()
                 size = self._eligible()

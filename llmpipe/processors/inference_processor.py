@@ -82,6 +82,7 @@ class InferenceProcessor:
         window_s: float,
         max_size: int,
         company_expected: Callable[[], bool] | None = None,
+        interactive_company: Callable[[], bool] | None = None,
         on_batch: Callable[[int, float], None] | None = None,
         publisher=None,
         cancelled_jobs: Callable[[Iterable[str]], set[str]] | None = None,
@@ -122,6 +123,9 @@ class InferenceProcessor:
             max_size=max_size,
             concurrent_batches=max_size if engine.continuous else 1,
             company_expected=company_expected,
+            # While the batch lane is held to its share, a request waits out the window only for
+            # interactive company: batch-lane requests enter through the cap one at a time.
+            uncapped_company=interactive_company,
             on_batch=on_batch,
             order=lambda r: r.priority,  # vLLM's priority: lower first (the interactive lane)
             # A continuous engine runs at most batch_lane_slots batch-lane requests, so an

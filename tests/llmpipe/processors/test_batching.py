@@ -326,3 +326,60 @@ def test_the_cap_holds_only_while_uncapped_items_came_recently():
     finally:
         release.set()
         b.stop()
+
+
+def test_while_the_cap_holds_the_window_waits_only_for_uncapped_company():
+    """Batch-lane messages waiting in the broker enter through the cap one by one: an
+    interactive item does not wait out the window for them. A batch-only load still waits
+    for any company (fake clock: the window passes only when the test moves it)."""
+    clock = ManualClock(100.0)
+    probes = Probes()
+    rec = Recorder(hold=False)
+    b = Batcher(rec.run, window_s=0.05, max_size=8, concurrent_batches=8, company_expected=probes.of("any", True),
+                uncapped_company=probes.of("uncapped", False), capped=lambda i: i >= 100, cap=1, cap_hold_s=30.0,
+                clock=clock)
+    try:
+        b.submit(100)  # batch-only: the cap does not hold, and any company is waited for
+        assert probes.made("any", 2) and rec.seen == []  # probed again after a wait: still waiting
+        clock.advance(0.05)
+        assert rec.batches(1) and rec.seen[0] == [100]
+        assert b.submit(1).result(5) == 1  # the cap holds: no interactive company, so at once
+        assert rec.seen[1] == [1] and probes.calls[-1] == "uncapped"
+    finally:
+        b.stop()
+
+
+def test_without_an_uncapped_probe_the_window_waits_for_any_company():
+    clock = ManualClock(100.0)
+    probes = Probes()
+    rec = Recorder(hold=False)
+    b = Batcher(rec.run, window_s=0.05, max_size=8, concurrent_batches=8, company_expected=probes.of("any", True),
+                capped=lambda i: i >= 100, cap=1, cap_hold_s=30.0, clock=clock)
+    try:
+        fut = b.submit(1)
+        assert probes.made("any", 2) and rec.seen == []
+        clock.advance(0.05)
+        assert fut.result(5) == 1
+    finally:
+        b.stop()
+
+
+class Probes:
+    """Company probes that record each call by name."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.calls: list[str] = []
+
+    def of(self, name: str, answer: bool):
+        def probe() -> bool:
+            with self.cond:
+                self.calls.append(name)
+                self.cond.notify_all()
+            return answer
+        return probe
+
+    def made(self, name: str, n: int) -> bool:
+        """Whether ``name`` was probed ``n`` times within 5 s."""
+        with self.cond:
+            return self.cond.wait_for(lambda: self.calls.count(name) >= n, timeout=5)
