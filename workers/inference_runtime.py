@@ -86,8 +86,9 @@ def start_inference(engine: Any, r: redis.Redis, s: Settings, model: ServedModel
     try:
         proc = InferenceProcessor(
             engine, window_s=s.batch_window_ms / 1000.0, max_size=s.max_batch_size,
-            company_expected=queue_probe(r, queues, s), interactive_company=queue_probe(r, queues, s, Lane.INTERACTIVE),
-            on_batch=on_batch,
+            company_expected=queue_probe(r, queues, s), on_batch=on_batch,
+            # On AMQP both lanes share one queue: its depth is the only probe there.
+            interactive_company=None if s.broker_is_amqp else queue_probe(r, queues, s, Lane.INTERACTIVE),
             publisher=publisher, cancelled_jobs=lambda ids: cancel.cancelled(r, ids),
             on_engine_dead=lambda exc: engine_died(exc, amqp=s.broker_is_amqp),
             published=lambda job_id: read_published(r, job_id), stream_parser=stream_parser(resources),
@@ -129,8 +130,9 @@ def sample_engine(proc: InferenceProcessor, model: str, worker: str = "", every_
 
 
 def queue_probe(r: redis.Redis, queue: str | tuple[str, ...], s: Settings | None = None, lane: Lane | None = None):
-    """Company is expected while more requests (of ``lane``, when given) wait in the broker
-    queue (any of ``queue``). On AMQP both lanes share one queue, whose depth counts both."""
+    """Company is expected while more requests (of ``lane``, when given: each has its lists on
+    Redis) wait in the broker queue (any of ``queue``). On AMQP the lanes share one queue, whose
+    depth counts both."""
     queues = (queue,) if isinstance(queue, str) else tuple(queue)
     if s is not None and s.broker_is_amqp:
         depths = AmqpDepths(s.effective_broker_url)

@@ -218,8 +218,9 @@ async def _interactive(url: str, prompts: list[str], rate: float, max_tokens: in
 
 def _stages(url: str, job_id: str | None) -> dict | None:
     """The job's stage timings, {stage: [queue wait, run]} in seconds (None: not readable). The
-    inference wait includes the batcher's window and any lane cap; what TTFT has beyond the
-    stages' waits and preprocess's run is the engine's prefill and the relay of the first token."""
+    inference wait is the broker's (to the task's start); its run holds the batcher's window,
+    any lane cap and the whole generation. So what TTFT has beyond preprocess and the inference
+    wait is the window, the cap, the engine's prefill and the relay of the first token."""
     if job_id is None:
         return None
     try:

@@ -46,7 +46,7 @@ def _interactive_md(i: dict) -> list[str]:
 
 
 def _slowest_md(i: dict, k: int = 3) -> list[str]:
-    """Each phase's ``k`` slowest requests: when they were sent and where their time went."""
+    """Each phase's ``k`` slowest requests: which one (the n-th sent) and their stage timings."""
     lines = []
     for phase in ("idle", "draining"):
         reqs = [(n, r) for n, r in enumerate(i[phase].get("requests", [])) if r["ttft_s"] is not None]
