@@ -146,22 +146,27 @@ def submit(url: str, path: Path) -> str:
         return r.json()["id"]
 
 
-def batch_state(url: str, batch_id: str) -> dict | None:
+def batch_state(http: httpx.Client, batch_id: str) -> dict | None:
     """The batch, or None while the API does not answer (it is restarting)."""
     try:
-        r = httpx.get(f"{url}/v1/batches/{batch_id}", timeout=10)
+        r = http.get(f"/v1/batches/{batch_id}")
         return r.json() if r.status_code == 200 else None
     except httpx.HTTPError:
         return None
 
 
-def wait_batch(url: str, batch_id: str, timeout: float, until=lambda b: b["status"] in ENDED) -> dict:
+def wait_batch(url: str, batch_id: str, timeout: float, until=lambda b: b["status"] in ENDED,
+               every_s: float = 0.2) -> dict:
+    """Polls with one client: a client made per poll (``httpx.get``) costs 24 ms of CPU (it
+    loads a TLS context), 12 % of a core at 5 polls a second, taken from the stack under test;
+    one client costs 0.8 ms a poll."""
     end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        b = batch_state(url, batch_id)
-        if b is not None and until(b):
-            return b
-        time.sleep(0.2)
+    with httpx.Client(base_url=url, timeout=10) as http:
+        while time.monotonic() < end:
+            b = batch_state(http, batch_id)
+            if b is not None and until(b):
+                return b
+            time.sleep(every_s)
     raise TimeoutError(f"batch {batch_id} did not get there in {timeout:.0f}s")
 
 
@@ -246,7 +251,8 @@ def interactive(stack: Stack, inp: Path, prompts: list[str], o: BatchBenchOption
     batch_id = submit(stack.url, inp)
     wait_batch(stack.url, batch_id, 600, until=lambda b: (b["request_counts"] or {}).get("completed", 0) > 0)
     loaded = _pcts(stack.url, asyncio.run(_interactive(stack.url, prompts, o.rate, o.max_tokens)))
-    b = batch_state(stack.url, batch_id) or {}
+    with httpx.Client(base_url=stack.url, timeout=10) as http:
+        b = batch_state(http, batch_id) or {}
     still = b.get("status") == "in_progress"
     httpx.post(f"{stack.url}/v1/batches/{batch_id}/cancel", timeout=30)
     wait_batch(stack.url, batch_id, 600)
