@@ -221,7 +221,7 @@ async def _interactive(url: str, prompts: list[str], rate: float, max_tokens: in
         return list(await asyncio.gather(*tasks))
 
 
-def _stages(url: str, job_id: str | None) -> dict | None:
+def _stages(http: httpx.Client, job_id: str | None) -> dict | None:
     """The job's stage timings, {stage: [queue wait, run]} in seconds (None: not readable). The
     inference wait is the broker's (to the task's start); its run holds the batcher's window,
     any lane cap and the whole generation. So what TTFT has beyond preprocess and the inference
@@ -229,7 +229,7 @@ def _stages(url: str, job_id: str | None) -> dict | None:
     if job_id is None:
         return None
     try:
-        r = httpx.get(f"{url}/v1/jobs/{job_id}", timeout=30)
+        r = http.get(f"/v1/jobs/{job_id}")
         results = (r.json().get("result") or {}).get("results") or [{}]
     except (httpx.HTTPError, ValueError):
         return None
@@ -240,10 +240,11 @@ def _pcts(url: str, got: list[tuple]) -> dict:
     """The percentiles, and every request in the order sent: its TTFT (None: failed), job id
     and stage timings, so that an outlier can be placed in time and in the pipeline."""
     ok = [t for t, _ in got if t is not None]
+    with httpx.Client(base_url=url, timeout=30) as http:  # one client: see wait_batch
+        requests = [{"ttft_s": None if t is None else round(t, 4), "job": j, "stages": _stages(http, j)}
+                    for t, j in got]
     return {"n": len(got), "ok": len(ok), "p50": percentile(ok, 50), "p99": percentile(ok, 99),
-            "ttft_s": [None if t is None else round(t, 4) for t, _ in got],
-            "requests": [{"ttft_s": None if t is None else round(t, 4), "job": j, "stages": _stages(url, j)}
-                         for t, j in got]}
+            "ttft_s": [None if t is None else round(t, 4) for t, _ in got], "requests": requests}
 
 
 def interactive(stack: Stack, inp: Path, prompts: list[str], o: BatchBenchOptions) -> dict:
