@@ -1,7 +1,13 @@
-"""The Batch API benchmark's report (llmpipe/bench/batch_report.py), from a made-up result."""
+"""The Batch API benchmark's report (llmpipe/bench/batch_report.py), from a made-up result, and
+how it times vllm run-batch (a stand-in command printing its log lines)."""
 
 from __future__ import annotations
 
+import sys
+
+import pytest
+
+from llmpipe.bench import batch
 from llmpipe.bench.batch import _pcts
 from llmpipe.bench.batch_report import markdown
 
@@ -31,3 +37,25 @@ def test_a_request_with_no_job_has_no_stages():
     res = _pcts("http://unused", [(0.5, None), (None, None)])
     assert res["ok"] == 1 and res["requests"] == [{"ttft_s": 0.5, "job": None, "stages": None},
                                                  {"ttft_s": None, "job": None, "stages": None}]
+
+
+def _fake_run_batch(monkeypatch, *lines: str, rc: int = 0) -> None:
+    script = "".join(f"print({ln!r})\n" for ln in lines) + f"raise SystemExit({rc})\n"
+    monkeypatch.setattr(batch, "run_batch_argv", lambda inp, out, model: [sys.executable, "-c", script])
+
+
+def test_run_batch_is_timed_from_its_batch_to_its_shutdown(monkeypatch, tmp_path):
+    _fake_run_batch(monkeypatch, "loading the model", "INFO Reading batch from in.jsonl", "Running batch: 100%",
+                    "INFO Writing outputs to out.jsonl", "INFO [shutdown] MPClient: start", "bye")
+    t = batch.time_run_batch(tmp_path / "in", tmp_path / "out", "m", {}, tmp_path / "log")
+    assert 0 <= t.batch_seconds <= t.seconds and t.startup_seconds == t.seconds - t.batch_seconds
+    assert (tmp_path / "log").read_text().splitlines()[1] == "INFO Reading batch from in.jsonl"
+
+
+def test_a_run_batch_that_never_began_its_batch_is_an_error(monkeypatch, tmp_path):
+    _fake_run_batch(monkeypatch, "loading the model", "Traceback: out of memory")
+    with pytest.raises(RuntimeError, match="before its batch began"):
+        batch.time_run_batch(tmp_path / "in", tmp_path / "out", "m", {}, tmp_path / "log")
+    _fake_run_batch(monkeypatch, "INFO Reading batch from in.jsonl", rc=3)
+    with pytest.raises(RuntimeError, match="exited 3"):
+        batch.time_run_batch(tmp_path / "in", tmp_path / "out", "m", {}, tmp_path / "log")
