@@ -114,10 +114,10 @@ class RunBatchTiming:
         return self.seconds - self.batch_seconds
 
 
-def time_run_batch(inp: Path, out: Path, model: str, env: dict, log: Path) -> RunBatchTiming:
+def time_run_batch(inp: Path, out: Path, model: str, env: dict, log: Path, clock=time.monotonic) -> RunBatchTiming:
     """Runs run-batch once, stamping its log lines as they come, to time its batch apart from its
     start-up (a separate run's is no measure of it: two start-ups took 91.5 and 74.7 s here)."""
-    t0 = time.monotonic()
+    t0 = clock()
     began = ended = None
     with open(log, "w") as lf, subprocess.Popen(run_batch_argv(inp, out, model), env={**env, "PYTHONUNBUFFERED": "1"},
                                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -125,11 +125,11 @@ def time_run_batch(inp: Path, out: Path, model: str, env: dict, log: Path) -> Ru
         for line in proc.stdout:  # type: ignore[union-attr]
             lf.write(line)
             if began is None and BATCH_BEGINS in line:
-                began = time.monotonic()
+                began = clock()
             elif began is not None and ended is None and BATCH_ENDED in line:
-                ended = time.monotonic()
+                ended = clock()
         rc = proc.wait()
-    end = time.monotonic()
+    end = clock()
     if rc != 0 or began is None:
         raise RuntimeError(f"vllm run_batch exited {rc}{'' if began else ' before its batch began'}; see {log}")
     return RunBatchTiming(seconds=end - t0, batch_seconds=(ended or end) - began)

@@ -3,6 +3,7 @@ how it times vllm run-batch (a stand-in command printing its log lines)."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import pytest
@@ -47,9 +48,17 @@ def _fake_run_batch(monkeypatch, *lines: str, rc: int = 0) -> None:
 def test_run_batch_is_timed_from_its_batch_to_its_shutdown(monkeypatch, tmp_path):
     _fake_run_batch(monkeypatch, "loading the model", "INFO Reading batch from in.jsonl", "Running batch: 100%",
                     "INFO Writing outputs to out.jsonl", "INFO [shutdown] MPClient: start", "bye")
-    t = batch.time_run_batch(tmp_path / "in", tmp_path / "out", "m", {}, tmp_path / "log")
-    assert 0 <= t.batch_seconds <= t.seconds and t.startup_seconds == t.seconds - t.batch_seconds
+    ticks = itertools.count()  # a clock read at the start, at each of the two lines, at the exit
+    t = batch.time_run_batch(tmp_path / "in", tmp_path / "out", "m", {}, tmp_path / "log", clock=lambda: next(ticks))
+    assert (t.seconds, t.batch_seconds, t.startup_seconds) == (3, 1, 2)
     assert (tmp_path / "log").read_text().splitlines()[1] == "INFO Reading batch from in.jsonl"
+
+
+def test_a_run_batch_with_no_shutdown_line_is_timed_to_its_exit(monkeypatch, tmp_path):
+    _fake_run_batch(monkeypatch, "INFO [shutdown] too early", "INFO Reading batch from in.jsonl", "done")
+    ticks = itertools.count()
+    t = batch.time_run_batch(tmp_path / "in", tmp_path / "out", "m", {}, tmp_path / "log", clock=lambda: next(ticks))
+    assert (t.seconds, t.batch_seconds) == (2, 1)
 
 
 def test_a_run_batch_that_never_began_its_batch_is_an_error(monkeypatch, tmp_path):
