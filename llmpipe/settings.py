@@ -165,8 +165,9 @@ class Settings(BaseSettings):
     # this share of each worker's slots: its prefetch (a consumer on Redis then claims only
     # interactive messages beyond it) and, on a continuous engine, the running slots. A
     # batch-only load keeps them all (hold 0: the batch lane is never held to its share).
-    # 1/16: 4 of the inference worker's 64, measured in docs/benchmarks.md "The Batch API".
-    lane_batch_slot_share: float = Field(0.0625, gt=0.0, le=1.0)
+    # 1/32: 4 of vLLM's 128 running slots on a CPU (8 made the interactive TTFT p50 1.23x and
+    # p99 1.69x the idle stack's under a draining batch), docs/benchmarks.md "The Batch API".
+    lane_batch_slot_share: float = Field(0.03125, gt=0.0, le=1.0)
     lane_slot_hold_s: float = Field(30.0, ge=0.0)
     # While the batch lane is held to its share, at most this many of its requests are in
     # their prefill at once on a continuous engine (the next enters at the engine's first token
@@ -175,7 +176,7 @@ class Settings(BaseSettings):
     lane_batch_starting: int = Field(1, ge=1)
     # Between interactive requests, the share of each consumer's prefetch that batch-lane
     # messages never take on Redis (rounded down), so that the first interactive request
-    # after a quiet spell finds a thread: 4 of the inference worker's 64.
+    # after a quiet spell finds a thread: 16 of the inference worker's 256 on vLLM.
     lane_interactive_reserve: float = Field(0.0625, ge=0.0, lt=1.0)
 
     # Pools

@@ -6,8 +6,13 @@ import shlex
 import sys
 from dataclasses import dataclass
 
-from llmpipe.settings import Settings
+from llmpipe.settings import EngineKind, Settings
 from llmpipe.stages import COLLECT, CPU_STAGES, Stage, inference_queue
+
+# vLLM's own max_num_seqs where llmpipe leaves it to vLLM: its API server's default on a CPU
+# (vllm/engine/arg_utils.py, get_batch_defaults; 256 to 1024 on a GPU, where setting
+# max_num_seqs makes the worker hold as many).
+VLLM_CPU_MAX_NUM_SEQS = 128
 
 # The kind a worker was started as (``llmpipe worker KIND``, ``llmpipe up``); what it warms
 # and whether it runs the watchdog follow it (workers/pool_policy.py).
@@ -23,11 +28,22 @@ class WorkerKind:
 
     def concurrency(self, s: Settings) -> int:
         if self.name == Stage.INFERENCE:
-            # One thread per request in flight: a full batch running plus a full batch forming.
-            return max(4, 2 * s.max_batch_size)
+            # One thread per request in flight: as many as the engine runs, and as many again
+            # waiting to take their places (a thread only waits on its request's future).
+            return max(4, 2 * engine_running(s))
         if self.name == COLLECT:
             return 1
         return max(1, s.cpu_workers)
+
+
+def engine_running(s: Settings) -> int:
+    """How many requests the engine runs at once, as the inference worker sizes itself: vLLM's
+    running set (``max_num_seqs``; sized by the dispatch batch instead, 64 threads held vLLM to
+    64 of its 128 on a CPU: a batch made 442.9 tok/s there against 482.1 with 256,
+    docs/benchmarks.md "The Batch API"); another engine's dispatch batch (``max_batch_size``)."""
+    if s.engine == EngineKind.VLLM:
+        return max(s.max_batch_size, s.max_num_seqs or VLLM_CPU_MAX_NUM_SEQS)
+    return s.max_batch_size
 
 
 _PRE, _INF, _POST = Stage.PREPROCESS.value, Stage.INFERENCE.value, Stage.POSTPROCESS.value

@@ -134,6 +134,7 @@ class VllmEngine(Engine):
         self._closed = False
         self._llm: Any = None
         self._max_model_len: int | None = None
+        self._max_num_seqs: int | None = None
         self._block_size: int | None = None
         self._vocab_size = 0
         self._eos_ids: list[int] = []
@@ -178,6 +179,7 @@ class VllmEngine(Engine):
         # where prefix-cache hits land, in tokens (prefix-aware routing hashes prompts by it)
         self._block_size = int(getattr(cc, "hash_block_size", None) or cc.block_size)
         self._max_model_len = int(mc.max_model_len)
+        self._max_num_seqs = int(self._llm.vllm_config.scheduler_config.max_num_seqs)
         self._vocab_size = int(mc.get_vocab_size())
         eos: list[int] = []
         try:
@@ -209,8 +211,8 @@ class VllmEngine(Engine):
 
     @property
     def max_num_seqs(self) -> int | None:
-        """vLLM's running set when the pipeline sets it (None: vLLM's own default)."""
-        return getattr(self._args, "max_num_seqs", None)
+        """vLLM's running set: as it resolved it once started (its own default where unset)."""
+        return self._max_num_seqs or getattr(self._args, "max_num_seqs", None)
 
     @property
     def eos_token_ids(self) -> list[int]:

@@ -87,7 +87,7 @@ def interactive_reserve(reserve: float, prefetch: int) -> int:
     it, rounded down, and never the last slot. Rounded down, because a small prefetch is a
     CPU stage's prefork pool (2 slots by default), whose tasks take milliseconds: there one
     slot held back would halve the batch's concurrency to save an interactive task a few
-    milliseconds; the inference worker's 64 slots (tasks of seconds) keep 4."""
+    milliseconds; the inference worker's 256 slots on vLLM (tasks of seconds) keep 16."""
     if prefetch <= 1:
         return 0
     return min(prefetch - 1, int(reserve * prefetch))

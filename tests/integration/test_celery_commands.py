@@ -19,7 +19,7 @@ from tests.harness.waiting import wait_until
 pytestmark = pytest.mark.integration
 
 MAX_BATCH = 8
-THREADS = 2 * MAX_BATCH  # what `llmpipe worker inference` runs (workers/launch.py)
+THREADS = 2 * 128  # what `llmpipe worker inference` runs on vLLM: twice its running set on a CPU (workers/launch.py)
 FLOWER_AUTH = ("admin", "s3cret")
 
 

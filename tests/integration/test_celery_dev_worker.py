@@ -17,7 +17,7 @@ from llmpipe.stages import worker_queue
 pytestmark = pytest.mark.integration
 
 MAX_BATCH = 4
-THREADS = 2 * MAX_BATCH
+THREADS = 2 * 128  # twice vLLM's running set on a CPU (workers/launch.py)
 
 
 @pytest.fixture(scope="module")

@@ -35,14 +35,14 @@ def test_plain_inference_worker_gets_what_llmpipe_worker_inference_runs(s):
     k = KINDS["inference"]
     assert (p.kind, p.stages, p.refusal) == ("inference", {"inference"}, None)
     assert (p.pool, p.concurrency, p.prefetch, p.node) == (k.pool, k.concurrency(s), k.prefetch, f"inference@{HOST}")
-    assert p.concurrency == 16
+    assert p.concurrency == 256  # twice vLLM's running set on a CPU (128), not 2 x max_batch_size
 
 
 def test_explicit_prefork_on_the_inference_queue_refuses_with_the_command(s):
     p = plan(_started(["inference"], pool_given=True), s, HOST)
     assert p.refusal is not None and "\n" not in p.refusal
     assert p.refusal.startswith("llmpipe: the inference queue needs -P threads, not -P prefork (vLLM cannot start")
-    assert p.refusal.endswith("start this worker with: celery -A tasks worker -Q inference -P threads -c 16 "
+    assert p.refusal.endswith("start this worker with: celery -A tasks worker -Q inference -P threads -c 256 "
                               "--prefetch-multiplier 1 (or: llmpipe worker inference)")
 
 
@@ -66,9 +66,9 @@ def test_a_given_concurrency_is_in_the_refusal(s):
 
 def test_no_queue_option_serves_every_stage_on_threads(s):
     p = plan(_started(), s, HOST)
-    assert (p.kind, p.stages, p.pool, p.concurrency, p.node) == (ALL, STAGES, "threads", 16, None)
+    assert (p.kind, p.stages, p.pool, p.concurrency, p.node) == (ALL, STAGES, "threads", 256, None)
     refused = plan(_started(pool_given=True), s, HOST).refusal
-    assert refused.endswith("start this worker with: celery -A tasks worker -P threads -c 16 --prefetch-multiplier 1")
+    assert refused.endswith("start this worker with: celery -A tasks worker -P threads -c 256 --prefetch-multiplier 1")
 
 
 @pytest.mark.parametrize("queues, kind, stages", [
@@ -126,7 +126,7 @@ def _celery_worker(*args: str, **env: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, check=False)
 
 
-INFERENCE_TAIL = "-Q inference -P threads -c 64 --prefetch-multiplier 1 (or: llmpipe worker inference)"
+INFERENCE_TAIL = "-Q inference -P threads -c 256 --prefetch-multiplier 1 (or: llmpipe worker inference)"
 
 
 @pytest.mark.parametrize("args, env, tail", [

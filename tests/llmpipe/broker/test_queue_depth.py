@@ -152,6 +152,6 @@ def test_broker_url_selects_rabbitmq_with_quorum_queues_and_confirms():
     redis = _conf(LLMPIPE_REDIS_URL="redis://127.0.0.1:1/0")
     assert redis["url"] == "redis://127.0.0.1:1/0" and "visibility_timeout" in redis["opts"]
     # the shipped lanes reach every consumer (llmpipe/jobs/lanes.py BatchClaims)
-    assert (redis["opts"]["lane_batch_slot_share"], redis["opts"]["lane_slot_hold_s"]) == (0.0625, 30.0)
+    assert (redis["opts"]["lane_batch_slot_share"], redis["opts"]["lane_slot_hold_s"]) == (0.03125, 30.0)
     assert redis["opts"]["lane_interactive_reserve"] == 0.0625
     assert redis["type"] is None and all(not q[1] for q in redis["queues"])
