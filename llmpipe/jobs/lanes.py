@@ -11,7 +11,7 @@ sooner) picks its lane, and the lane picks its broker priority and its admission
 Inside the inference worker the raw priority orders the batcher's pending requests, and
 vLLM (``scheduling_policy="priority"``) schedules by it: the order holds end to end. On a
 continuous engine the batch lane also runs in at most ``lane_batch_slot_share`` of the engine's
-running slots (vLLM's ``max_num_seqs``, or the requests the worker holds where that is more;
+running slots (vLLM's ``max_num_seqs``, or the requests the worker holds where those are fewer;
 workers/inference_runtime.py): vLLM admits waiting requests by
 priority, but it preempts a running one only when the KV cache is short, never for a
 waiting request of higher priority, and every running request shares each step, batch-lane
