@@ -9,7 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from llmpipe.settings import EngineKind
 from tests.harness.shared import lends
+from workers.launch import engine_running
 
 pytestmark = pytest.mark.integration
 
@@ -61,6 +63,17 @@ def _direct(engine, tokenizer, prompts, max_tokens):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     reqs = [EngineRequest(f"d{i}", tokenizer(p, add_special_tokens=True)["input_ids"], params) for i, p in enumerate(prompts)]
     return [o.token_ids for o in engine.generate(reqs)]
+
+
+def test_the_engine_reports_the_running_set_its_worker_is_sized_for(pipeline, direct_engine):
+    """vLLM's max_num_seqs as vLLM resolved it: left unset, its own default on a CPU, which the
+    inference worker's threads are sized for (workers/launch.py) and the batch lane's share is
+    taken of (workers/inference_runtime.py). The transformers engine runs whole batches: none."""
+    if pipeline.s.engine == EngineKind.VLLM:
+        assert pipeline.s.max_num_seqs is None
+        assert direct_engine.max_num_seqs == engine_running(pipeline.s) == 128
+    else:
+        assert getattr(direct_engine, "max_num_seqs", None) is None
 
 
 def test_greedy_job_matches_engine_called_directly(pipeline, direct_engine, tiny_tokenizer):
