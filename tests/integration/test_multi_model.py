@@ -24,6 +24,7 @@ from tests.harness.waiting import wait_until
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,"]
+SHORT_TIMEOUT_S = 15  # the job that expires in inference.b: settled by the watchdog 5 s later
 
 
 def _submit(url: str, model: str, prompt: str, **kw) -> str:
@@ -83,7 +84,9 @@ def test_two_models_route_right_and_one_dead_worker_leaves_the_other_alone(two_m
     _kill(p.sup.get("inference.b"))
     # Long enough to outlive b's restart below: a vLLM start on a busy machine takes minutes.
     waiting = _submit(url, "b", PROMPTS[0], timeout=600)
-    short = _submit(url, "b", PROMPTS[1], timeout=2)
+    # Short, but long enough to reach inference.b: preprocess sends a request whose deadline
+    # has passed nowhere, and under load (the other test process, a's jobs) it waited over 2 s.
+    short = _submit(url, "b", PROMPTS[1], timeout=SHORT_TIMEOUT_S)
     alone_a = [_tokens(url, _submit(url, "a", prompt)) for prompt in PROMPTS]
     assert alone_a == both["a"]
     wait_until(lambda: r.llen("inference.b") == 2, 30, "b's two jobs in inference.b")
