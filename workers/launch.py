@@ -6,13 +6,9 @@ import shlex
 import sys
 from dataclasses import dataclass
 
+from llmpipe.engines.vllm_batch_defaults import Device, default_max_num_seqs
 from llmpipe.settings import EngineKind, Settings
 from llmpipe.stages import COLLECT, CPU_STAGES, Stage, inference_queue
-
-# vLLM's own max_num_seqs where llmpipe leaves it to vLLM: its API server's default on a CPU
-# (vllm/engine/arg_utils.py, get_batch_defaults; 256 to 1024 on a GPU, where setting
-# max_num_seqs makes the worker hold as many).
-VLLM_CPU_MAX_NUM_SEQS = 128
 
 # The kind a worker was started as (``llmpipe worker KIND``, ``llmpipe up``); what it warms
 # and whether it runs the watchdog follow it (workers/pool_policy.py).
@@ -36,13 +32,14 @@ class WorkerKind:
         return max(1, s.cpu_workers)
 
 
-def engine_running(s: Settings) -> int:
+def engine_running(s: Settings, device: Device | None = None) -> int:
     """How many requests the engine runs at once, as the inference worker sizes itself: vLLM's
-    running set (``max_num_seqs``; sized by the dispatch batch instead, 64 threads held vLLM to
-    64 of its 128 on a CPU: a batch made 442.9 tok/s there against 482.1 with 256,
-    docs/benchmarks.md "The Batch API"); another engine's dispatch batch (``max_batch_size``)."""
+    running set (``max_num_seqs``, vLLM's own for ``device`` where unset: this host's when
+    None; sized by the dispatch batch instead, 64 threads held vLLM to 64 of its 128 on a CPU:
+    a batch made 442.9 tok/s there against 482.1 with 256, docs/benchmarks.md "The Batch
+    API"); another engine's dispatch batch (``max_batch_size``)."""
     if s.engine == EngineKind.VLLM:
-        return max(s.max_batch_size, s.max_num_seqs or VLLM_CPU_MAX_NUM_SEQS)
+        return max(s.max_batch_size, s.max_num_seqs or default_max_num_seqs(s, device))
     return s.max_batch_size
 
 
