@@ -6,7 +6,7 @@ max_num_seqs, max_model_len). ``--served-model-name`` is added only where the na
 pipeline answers to differs from MODEL, so that the same requests work on both; with the
 bench's settings (one model, given by its folder) both call it by the folder, and the flag
 is never needed. ``vllm-serve-matched`` adds the pipeline's effective engine arguments
-(llmpipe/engines/platform.py, then the vLLM engine's own: llmpipe/engines/vllm_engine.py
+(llmpipe/engines/platform.py, then the vLLM engine's own: llmpipe/engines/vllm_args.py
 ``built_args``), so the two run the same engine and what differs is the pipeline.
 
 The program is this venv's vLLM CLI, the one a user's ``vllm`` command runs, through
@@ -22,7 +22,7 @@ import sys
 from typing import Any
 
 from llmpipe.engines.platform import Platform, engine_config
-from llmpipe.engines.vllm_engine import built_args
+from llmpipe.engines.vllm_args import built_args
 from llmpipe.settings import Settings
 
 # The pipeline sets these on its engine, and `vllm serve` cannot take them: the server

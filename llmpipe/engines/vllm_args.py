@@ -4,7 +4,8 @@ file's ``[engine_args]`` table, checked against vLLM's ``AsyncEngineArgs`` field
 A value from the command line is a string; it is converted by the field's type with
 pydantic (``2`` for an int, ``true`` for a bool, JSON for a dict or a config object), so a
 typo in a name or a value is a one-line error that names the field, before any process
-starts. vLLM is imported only when there is something to check.
+starts. vLLM is imported only when there is something to check. ``built_args`` is what the
+engine is built with: these over the engine's own.
 """
 
 from __future__ import annotations
@@ -121,3 +122,24 @@ def convert_engine_args(raw: Mapping[str, Any], fields: Mapping[str, Any] | None
             raise EngineArgError(f"unknown vLLM engine argument {name!r}{hint}: not a field of vLLM's AsyncEngineArgs")
         out[name] = _convert(name, fields[name], value)
     return out
+
+
+_GiB = 1 << 30
+
+
+def built_args(engine_args: dict[str, Any], *, kv_cache_gib: float, on_cpu: bool) -> dict[str, Any]:
+    """The AsyncEngineArgs fields the engine is built with, besides ``model`` and
+    ``skip_tokenizer_init``: ``engine_args`` (llmpipe/engines/platform.py) over the engine's
+    own. A None value leaves vLLM's own default. ``llmpipe bench``'s vllm-serve-matched mode
+    gives ``vllm serve`` these."""
+    args: dict[str, Any] = {
+        "dtype": "auto",
+        "seed": 0,
+        # Priority lanes hold inside the engine too: vLLM schedules waiting (and, under KV
+        # pressure, preempts running) requests by priority, lower first (llmpipe/jobs/lanes.py).
+        "scheduling_policy": "priority",
+        "kv_cache_memory_bytes": max(1, int(kv_cache_gib * _GiB)) if on_cpu else None,
+        "disable_log_stats": True,  # the engine's own stat logger (vllm_convert.StatsSink) still gets the stats
+        **engine_args,
+    }
+    return {k: v for k, v in args.items() if v is not None}

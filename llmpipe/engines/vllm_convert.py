@@ -1,6 +1,7 @@
-"""Between llmpipe's messages and vLLM's types: sampling parameters in, logprobs and
-scheduler stats out, and which vLLM errors are worth a retry. vLLM is imported only inside
-the functions that need it (llmpipe/engines/vllm_engine.py runs them in the worker).
+"""Between llmpipe's messages and vLLM's types: sampling parameters in, logprobs, finish
+reasons and scheduler stats out, and which vLLM errors are worth a retry. vLLM is imported
+only inside the functions that need it (llmpipe/engines/vllm_engine.py runs them in the
+worker).
 
 The detokenizing options (skip_special_tokens, spaces_between_special_tokens,
 include_stop_str_in_output) and stop strings are not vLLM's business here: it returns ids,
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmpipe.messages import Logprob, SamplingParams
+from llmpipe.messages import FinishReason, Logprob, SamplingParams
 
 _TRANSIENT_MARKERS = ("out of memory", "outofmemory", "queueoverflow", "maxqueuedtokens", "no available memory")
 
@@ -113,3 +114,17 @@ def sampling_params(p: SamplingParams, eos_ids: list[int]) -> Any:
         detokenize=False,
         output_kind=RequestOutputKind.DELTA,
     )
+
+
+# vLLM's finish reasons; none (the stream ended without one): cancelled if it was, else length.
+FINISH = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.CANCELLED,
+    "repetition": FinishReason.STOP,
+}
+
+
+def stop_token(stop_reason: Any) -> int | None:
+    """vLLM's stop_reason is the stop token id, a stop string, or None for the tokenizer's EOS."""
+    return stop_reason if isinstance(stop_reason, int) and not isinstance(stop_reason, bool) else None

@@ -26,36 +26,22 @@ from typing import Any
 from llmpipe.engines import vllm_core_guard
 from llmpipe.engines.base import Engine, EngineOutput, EngineRequest, TokenCallback
 from llmpipe.engines.platform import cpu_environment
-from llmpipe.engines.vllm_args import OWNED, SKIP_TOKENIZER_INIT
+from llmpipe.engines.vllm_args import OWNED, SKIP_TOKENIZER_INIT, built_args
 from llmpipe.engines.vllm_convert import (
+    FINISH,
     StatsSink,
     as_id_list,
     is_transient,
     position,
     prompt_positions,
     sampling_params,
+    stop_token,
 )
 from llmpipe.errors import EngineBadRequestError, EngineDeadError, EngineError
 from llmpipe.messages import FinishReason, Logprob, SamplingParams
 from llmpipe.observability.metrics import ENGINE_ABORTS
 
 log = logging.getLogger(__name__)
-
-# vLLM's finish reasons; none (the stream ended without one): cancelled if it was, else length.
-_FINISH = {
-    "stop": FinishReason.STOP,
-    "length": FinishReason.LENGTH,
-    "abort": FinishReason.CANCELLED,
-    "repetition": FinishReason.STOP,
-}
-
-
-def _stop_token(stop_reason: Any) -> int | None:
-    """vLLM's stop_reason is the stop token id, a stop string, or None for the tokenizer's EOS."""
-    return stop_reason if isinstance(stop_reason, int) and not isinstance(stop_reason, bool) else None
-
-_GiB = 1 << 30
-
 
 def _on_cpu() -> bool:
     """True when vLLM will run on CPU (decided before vLLM is imported)."""
@@ -65,24 +51,6 @@ def _on_cpu() -> bool:
         return not torch.cuda.is_available()
     except Exception:  # pragma: no cover - torch always present with vLLM
         return True
-
-
-def built_args(engine_args: dict[str, Any], *, kv_cache_gib: float, on_cpu: bool) -> dict[str, Any]:
-    """The AsyncEngineArgs fields the engine is built with, besides ``model`` and
-    ``skip_tokenizer_init``: ``engine_args`` (llmpipe/engines/platform.py) over the engine's
-    own. A None value leaves vLLM's own default. ``llmpipe bench``'s vllm-serve-matched mode
-    gives ``vllm serve`` these."""
-    args: dict[str, Any] = {
-        "dtype": "auto",
-        "seed": 0,
-        # Priority lanes hold inside the engine too: vLLM schedules waiting (and, under KV
-        # pressure, preempts running) requests by priority, lower first (llmpipe/jobs/lanes.py).
-        "scheduling_policy": "priority",
-        "kv_cache_memory_bytes": max(1, int(kv_cache_gib * _GiB)) if on_cpu else None,
-        "disable_log_stats": True,  # our own stat logger below still gets the stats
-        **engine_args,
-    }
-    return {k: v for k, v in args.items() if v is not None}
 
 
 class VllmEngine(Engine):
@@ -273,12 +241,12 @@ class VllmEngine(Engine):
             raise EngineBadRequestError(f"request {rid}: {e}", param=e.parameter) from e
         if finish == "error":
             raise EngineError(f"vLLM reported a request-level error for {rid}", transient=True)
-        reason = _FINISH.get(finish or "", FinishReason.CANCELLED if rid in self._cancelled else FinishReason.LENGTH)
+        reason = FINISH.get(finish or "", FinishReason.CANCELLED if rid in self._cancelled else FinishReason.LENGTH)
         extra: dict[str, Any] = {}
         if stop_reason is not None:
             extra["stop_reason"] = stop_reason
         return EngineOutput(rid, tokens, reason, first_token_at=first_at, extra=extra, logprobs=logprobs,
-                            prompt_logprobs=prompt_logprobs, stop_token=_stop_token(stop_reason))
+                            prompt_logprobs=prompt_logprobs, stop_token=stop_token(stop_reason))
 
     def _translate(self, exc: BaseException) -> EngineError:
         from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
