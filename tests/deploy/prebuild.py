@@ -27,6 +27,8 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
+
 from tests.deploy import docker_engine
 from tests.deploy.compose_stack import IMAGES_SCRIPT, compose_cli
 from tests.harness.waiting import poll, wait_until
@@ -77,6 +79,22 @@ class ImagesBuild:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
+            # The script's children got the signal with it, but under load one was still running
+            # when the script had exited: wait for the group, and kill what is left of it.
+            if not poll(lambda: not _live_members(self.proc.pid), 10, every=0.05):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def _live_members(pgid: int) -> list[int]:
+    """The processes of group ``pgid`` that still run (a zombie has ended)."""
+    live = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                live.append(p.pid)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return live
 
 
 class Prebuild:
