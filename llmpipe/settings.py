@@ -185,6 +185,10 @@ class Settings(BaseSettings):
     # fed by one parent), threads (cpu_workers threads in one process) or solo (one task at
     # a time in the consuming process). docs/benchmarks.md measures them.
     cpu_pool: Literal["prefork", "threads", "solo"] = "prefork"
+    # A local pipeline (`llmpipe up`) runs its API, CPU stages, Flower and embedded Redis on
+    # the CPUs that vLLM on a CPU leaves free, off those its forward passes are bound to
+    # (llmpipe/local/placement.py; docs/operations.md). An engine on a GPU binds none.
+    isolate_engine_cpus: bool = True
     api_port: int = 8000
     flower_port: int = 5555
     flower_user: str = "admin"

@@ -21,6 +21,7 @@ from rich.console import Console
 
 from llmpipe.broker.redis_clients import celery_probe
 from llmpipe.local.devices import DeviceError, assign, own_gpus, visible_gpus
+from llmpipe.local.placement import Placement
 from llmpipe.local.restarts import RestartPolicy
 from llmpipe.local.supervisor import Child, Crash, Supervisor, how_exited, python_env
 from llmpipe.settings import Settings
@@ -29,6 +30,9 @@ from workers.launch import KIND_ENV, node_of, worker_argv
 
 # One worker per stage, in pipeline order (postprocess workers serve the chord callback too).
 WORKER_KINDS = tuple(stage.value for stage in Stage)
+
+
+log = logging.getLogger("llmpipe.local.pipeline")
 
 
 class PipelineError(Exception):
@@ -143,6 +147,9 @@ class LocalPipeline:
         self.metrics_dir.mkdir(parents=True, exist_ok=True)
         self.env = python_env({**settings_env(settings), "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir),
                                **(extra_env or {})})
+        # Off the CPUs vLLM computes on, once its engines are up (isolate_engine_cpus).
+        self.placement = Placement() if settings.isolate_engine_cpus else None
+        self.sup.on_start = self._place_child
 
     @property
     def api_url(self) -> str:
@@ -226,6 +233,7 @@ class LocalPipeline:
                 if not missing:
                     for c in self.sup.children:
                         c.ever_ready = True
+                    self._place()
                     return True
                 if status is not None:
                     status.update(f"waiting for: {', '.join(missing)}")
@@ -233,6 +241,33 @@ class LocalPipeline:
         finally:
             probe.close()
         raise PipelineError(f"not ready after {timeout:.0f}s; see the logs in {self.sup.log_dir}")
+
+    def _engine_children(self) -> set[str]:
+        return {c for c, _ in inference_children(self.s)} if Stage.INFERENCE in self.kinds else set()
+
+    def _place(self) -> None:
+        """Every child but the inference workers onto the CPUs that their engines leave free
+        (llmpipe/local/placement.py): nothing moves where the engines bind no CPU (a GPU)."""
+        if self.placement is None:
+            return
+        engines = self._engine_children()
+        cpus = self.placement.learn(c.proc.pid for c in self.sup.children if c.name in engines and c.running)
+        if cpus is None:
+            return
+        others = [c for c in self.sup.children if c.name not in engines and c.running]
+        self.placement.apply(c.proc.pid for c in others)
+        log.info("%s run on CPUs %s, off the CPUs vLLM computes on", ", ".join(c.name for c in others),
+                 ",".join(map(str, sorted(cpus))))
+
+    def place(self, pid: int) -> None:
+        """Another process of this host's pipeline (the embedded Redis) where the children are."""
+        if self.placement is not None:
+            self.placement.apply([pid])
+
+    def _place_child(self, child: Child) -> None:
+        # A child restarted after the engines came up goes where the others are at once.
+        if child.name not in self._engine_children():
+            self.place(child.proc.pid)
 
     def _api_answers(self) -> bool:
         """The API serves and reaches Redis: /healthz answers 200, or 503 for a stage with

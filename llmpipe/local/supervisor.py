@@ -17,7 +17,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -116,6 +116,9 @@ class Supervisor:
         self._threads: list[threading.Thread] = []
         self.clock = clock
         self._stopping = False
+        # Called with each child as soon as it is exec'd (Popen returned), so that the threads and
+        # processes it starts later inherit what is set on it here (llmpipe/local/placement.py).
+        self.on_start: Callable[[Child], None] | None = None
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str], policy: RestartPolicy | None = None) -> Child:
         """Start a child. With a ``policy``, ``tend`` restarts it whenever it exits on its own."""
@@ -140,6 +143,8 @@ class Supervisor:
         child.tail = []  # what the last run said, not an earlier one
         child.restart_at = None
         child.started_at = self.clock()
+        if self.on_start is not None:
+            self.on_start(child)
         if child.policy is not None:
             child.policy.started(child.started_at)
         t = threading.Thread(target=self._pump, args=(child, child.proc), daemon=True, name=f"log-{child.name}")

@@ -134,6 +134,8 @@ class _Run:
         with self.console.status("starting") as status:
             ready = self.pipeline.wait_ready(ready_timeout, status=status, stop_event=self.stopping)
         if ready:
+            if self.embedded is not None and self.embedded.proc is not None:
+                self.pipeline.place(self.embedded.proc.pid)
             _print_ready(self.out, s, flower, self.embedded, self.pipeline, time.monotonic() - self.started)
         while not self.stopping.is_set():
             self.pipeline.tend()  # restarts a child that exited on its own; raises when it gives up on one

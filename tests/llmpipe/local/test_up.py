@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from llmpipe.local.placement import affinity, engine_cpus
 from llmpipe.local.redis_server import redis_answers
 from llmpipe.local.supervisor import alive, descendants
 from tests.harness.clients import job_result, submit_job
@@ -87,6 +88,7 @@ def test_up_restarts_what_is_killed(tmp_path, ups, tiny_model):
              "--redis-url", "embedded", "--cpu-workers", "1", "--no-flower", VLLM_ENABLE_V1_MULTIPROCESSING="1",
              LLMPIPE_MAX_BATCH_SIZE="4")
     up.wait_ready(timeout=300)
+    _off_the_engine_cpus(up)
     _engine_arg_takes_effect(up)
     body = {"prompt": "once upon a time", "max_tokens": 8, "temperature": 0}
     assert job_result(up.url, submit_job(up.url, body))["status"] == "succeeded"
@@ -127,11 +129,29 @@ def test_up_restarts_what_is_killed(tmp_path, ups, tiny_model):
     print(f"api killed -> /healthz 200 again: {time.monotonic() - t_kill:.1f} s")
     assert one_process(up, "llmpipe.cli", " api ") != api
     assert job_result(up.url, submit_job(up.url, body))["status"] == "succeeded"
+    _off_the_engine_cpus(up)  # the restarted API too
 
     assert up.interrupt() == 0, up.err[-3000:]
     assert "warm shutdown" in up.err and up.err.rstrip().endswith("stopped")
     assert up.left_alive() == []
     assert "Traceback" not in up.err
+
+
+def _off_the_engine_cpus(up) -> None:
+    """llmpipe/local/placement.py: vLLM binds its forward passes to CPUs of its own, and every
+    other process of the stack (the API, the CPU stages and their pools, the embedded Redis),
+    each of its threads, runs on the rest. The inference worker's own process is left alone."""
+    host = affinity(0)
+    if len(host) < 2:
+        return  # one CPU: nothing to keep apart
+    inference = one_process(up, "celery", "-Q inference")
+    bound = engine_cpus([inference], host)
+    assert bound and bound < host, bound
+    others = {p for p in up.collect() - {up.proc.pid, inference} - descendants(inference) if alive(p)}
+    assert {"redis-server", "-Q preprocess", "-Q postprocess", " api "} <= {w for p in others for w in (
+        "redis-server", "-Q preprocess", "-Q postprocess", " api ") if w in cmdline(p)}
+    where = {p: {affinity(int(t)) for t in os.listdir(f"/proc/{p}/task")} for p in others}
+    assert all(cpus == {host - bound} for cpus in where.values()), where
 
 
 def _inference_log(up) -> str:

@@ -1,0 +1,92 @@
+"""The pipeline's own processes kept off the CPUs that vLLM computes on, on one host.
+
+vLLM on a CPU binds each rank's OpenMP threads to CPUs of their own
+(``VLLM_CPU_OMP_THREADS_BIND=auto``) and leaves the rest, one or more per rank, to its
+scheduler and to "other processes". ``vllm serve`` has one other process, its API server.
+A local pipeline has several: the API, the CPU stages' pools, Flower and the embedded Redis.
+Left to the kernel, they also run on the engine's CPUs, and each time one wakes there it
+stops a forward pass midway. On a 2-core Xeon with AMX (docs/benchmarks.md), keeping them
+on the CPU vLLM leaves free raised streamed completions at 32 clients from 284 to 388
+output tokens/s: the engine's CPU per request fell from 204 to 149 ms.
+
+The engine's CPUs are read from the engine, not predicted: they are the affinities of the
+inference workers' descendants (vLLM's worker processes) that are narrower than what this
+process may use. An engine on a GPU binds nothing, so nothing moves. The inference worker's
+own process (Celery, vLLM's front end) stays unbound, as ``vllm serve``'s API server does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+
+from llmpipe.local.supervisor import descendants
+
+log = logging.getLogger("llmpipe.local.placement")
+
+Affinity = Callable[[int], frozenset[int]]
+
+
+def affinity(pid: int) -> frozenset[int]:
+    return frozenset(os.sched_getaffinity(pid))
+
+
+def engine_cpus(roots: Iterable[int], host: frozenset[int], *, below: Callable[[int], set[int]] = descendants,
+                affinity_of: Affinity = affinity) -> frozenset[int]:
+    """The CPUs that processes under ``roots`` are bound to, where a binding is narrower than ``host``."""
+    bound: set[int] = set()
+    for root in roots:
+        for pid in below(root):
+            try:
+                cpus = affinity_of(pid)
+            except OSError:  # gone since it was listed
+                continue
+            if cpus < host:
+                bound |= cpus
+    return frozenset(bound)
+
+
+def free_cpus(host: frozenset[int], engine: frozenset[int]) -> frozenset[int] | None:
+    """The CPUs left to everything else; None when the engine binds none or all of them."""
+    free = host - engine
+    return free if engine and free else None
+
+
+def pin(pid: int, cpus: frozenset[int]) -> int:
+    """Binds every thread of ``pid`` and of its descendants to ``cpus``; how many threads.
+    Threads and processes started later inherit the binding of the one that starts them."""
+    n = 0
+    for p in (pid, *descendants(pid)):
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{p}/task")]
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, cpus)
+                n += 1
+            except OSError:  # exited meanwhile
+                pass
+    return n
+
+
+class Placement:
+    """Where a host's non-engine processes run: unknown until the engines are up (``learn``)."""
+
+    def __init__(self, host: frozenset[int] | None = None):
+        self.host = host if host is not None else affinity(0)
+        self.cpus: frozenset[int] | None = None
+
+    def learn(self, engine_roots: Iterable[int], **probe) -> frozenset[int] | None:
+        self.cpus = free_cpus(self.host, engine_cpus(engine_roots, self.host, **probe))
+        return self.cpus
+
+    def apply(self, pids: Iterable[int]) -> None:
+        if self.cpus is None:
+            return
+        for pid in pids:
+            pin(pid, self.cpus)
+
+
+__all__ = ["Placement", "affinity", "engine_cpus", "free_cpus", "pin"]

@@ -1,0 +1,105 @@
+"""Placement: the CPUs an engine's processes are bound to, the ones left, and a process
+tree moved onto them (real processes; the affinity probe injected where a tree is made up)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from llmpipe.local.placement import Placement, affinity, engine_cpus, free_cpus, pin
+from llmpipe.local.supervisor import Supervisor, descendants
+from tests.harness.waiting import wait_until
+
+HOST = affinity(0)
+two_cpus = pytest.mark.skipif(len(HOST) < 2, reason="needs two CPUs to bind one process away from another")
+
+
+def test_the_engine_cpus_are_the_narrower_bindings_below_the_roots():
+    tree = {1: {2, 3, 4}, 10: {11}}
+    bound = {2: frozenset({0}), 3: frozenset({0, 1, 2, 3}), 11: frozenset({2})}
+
+    def affinity_of(pid: int) -> frozenset[int]:
+        if pid not in bound:
+            raise ProcessLookupError(pid)  # exited since it was listed
+        return bound[pid]
+
+    host = frozenset({0, 1, 2, 3})
+    assert engine_cpus([1, 10], host, below=tree.__getitem__, affinity_of=affinity_of) == {0, 2}
+    assert engine_cpus([1], host, below=tree.__getitem__, affinity_of=affinity_of) == {0}
+    assert engine_cpus([], host, below=tree.__getitem__, affinity_of=affinity_of) == frozenset()
+
+
+def test_the_free_cpus_are_the_rest_and_none_when_nothing_or_everything_is_bound():
+    assert free_cpus(frozenset({0, 1}), frozenset({0})) == {1}
+    assert free_cpus(frozenset({0, 1, 2, 3}), frozenset({0, 2})) == {1, 3}
+    assert free_cpus(frozenset({0, 1}), frozenset()) is None  # a GPU engine binds nothing
+    assert free_cpus(frozenset({0, 1}), frozenset({0, 1})) is None  # nothing left to move to
+
+
+def test_an_unlearned_placement_moves_nothing():
+    p = Placement(frozenset({0, 1}))
+    assert p.cpus is None
+    p.apply([os.getpid()])  # no CPUs known: a no-op, whatever the pid
+    assert affinity(0) == HOST
+
+
+def _tree(code: str) -> subprocess.Popen:
+    """A Python parent running ``code``, which starts children of its own."""
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.DEVNULL)
+
+
+@two_cpus
+def test_a_real_engine_binding_is_found_and_a_real_tree_moved_off_it():
+    first = min(HOST)
+    engine = _tree(f"""
+        import os, subprocess, time
+        subprocess.Popen(["sleep", "60"], preexec_fn=lambda: os.sched_setaffinity(0, {{{first}}}))
+        time.sleep(60)
+    """)
+    other = _tree("""
+        import subprocess, threading, time
+        subprocess.Popen(["sleep", "60"])
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+        time.sleep(60)
+    """)
+    try:
+        wait_until(lambda: descendants(engine.pid) and descendants(other.pid), 10, "both trees' children")
+        wait_until(lambda: len(os.listdir(f"/proc/{other.pid}/task")) == 2, 10, "the other tree's thread")
+        placement = Placement(HOST)
+        assert placement.learn([engine.pid]) == HOST - {first}
+        placement.apply([other.pid])
+        for pid in (other.pid, *descendants(other.pid)):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                assert affinity(int(tid)) == HOST - {first}, (pid, tid)
+        assert affinity(engine.pid) == HOST  # the engine's own tree is not touched
+    finally:
+        for p in (engine, other):
+            for pid in descendants(p.pid):
+                os.kill(pid, 9)
+            p.kill()
+            p.wait()
+
+
+@two_cpus
+def test_a_child_is_placed_as_it_starts_so_its_own_children_inherit(tmp_path: Path):
+    sup = Supervisor(tmp_path, echo=False)
+    placement = Placement(HOST)
+    placement.cpus = frozenset({max(HOST)})
+    sup.on_start = lambda child: placement.apply([child.proc.pid])
+    child = sup.spawn("stage", [sys.executable, "-c", "import subprocess; subprocess.run(['sleep', '60'])"], dict(os.environ))
+    try:
+        wait_until(lambda: descendants(child.proc.pid), 10, "the child's own child")
+        assert affinity(child.proc.pid) == {max(HOST)}
+        assert all(affinity(pid) == {max(HOST)} for pid in descendants(child.proc.pid))
+    finally:
+        sup.stop(timeout=5)
+
+
+def test_pin_counts_the_threads_it_bound():
+    assert pin(os.getpid(), HOST) >= 1  # this process, on all it may use: nothing changes
+    assert affinity(0) == HOST
