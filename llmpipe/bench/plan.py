@@ -8,6 +8,8 @@ from llmpipe.bench.kinds import JOBS, KINDS, endpoint
 from llmpipe.bench.modes import ENDPOINTS, MODES, EngineSetup
 from llmpipe.bench.prompts import count_tokens, make_prompts
 from llmpipe.bench.runner import EnginePlan, Load
+from llmpipe.engines.platform import Platform
+from llmpipe.engines.vllm_batch_defaults import Device, this_device
 from llmpipe.models.registry import context_length
 from llmpipe.settings import EngineKind
 
@@ -132,6 +134,13 @@ def _points(o: Options, key: str, modes: list[str], prof: dict) -> list[tuple[st
     return points
 
 
+def interleaves(device: Device) -> bool:
+    """The real engine's servers run at once, taking turns at each point (llmpipe/bench/runner.py),
+    on a CPU: each holds its own model and KV cache in host memory, idle between its turns. On a
+    GPU, each vLLM takes 0.9 of its memory, so they run one after another."""
+    return device.platform is Platform.CPU
+
+
 def build_plans(o: Options, model_path: str, tokenizer, console=None) -> list[EnginePlan]:
     plans = []
     for key in o.engines:
@@ -147,7 +156,8 @@ def build_plans(o: Options, model_path: str, tokenizer, console=None) -> list[En
             endpoint(k)  # ValueError for an unknown kind
         plan = EnginePlan(_setup(o, key, kind, model_path, pt + mt), pt, mt, _points(o, key, modes, prof),
                           api=JOBS if api == JOBS else "openai", notes=notes,
-                          kinds=[k for k in (o.kinds or prof["kinds"]) if k != JOBS])
+                          kinds=[k for k in (o.kinds or prof["kinds"]) if k != JOBS],
+                          interleave=key == "real" and interleaves(this_device()))
         plan.notes += _kind_notes(plan)
         need = max(sum(ld.requests for ld in loads) * len(plan.kinds_for(MODES[m])) for m, loads in plan.points) + 4
         plan.prompts = make_prompts(tokenizer, need, pt)

@@ -1,5 +1,7 @@
 """Runs the plan: for each engine, each mode's servers start, warm up, take every load point
-(closed loop at a concurrency or open loop at a rate), and stop."""
+(closed loop at a concurrency or open loop at a rate), and stop. An interleaved plan (the real
+engine's) starts every mode's server first and has them take each point in turn, so that a
+machine whose speed drifts during the run moves every mode's figure of a point alike."""
 
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ class EnginePlan:
     measured_prompt_tokens: float = 0.0
     notes: list[str] = field(default_factory=list)
     kinds: list[str] = field(default_factory=lambda: ["completions-stream"])  # OpenAI request kinds (kinds.py)
+    interleave: bool = False  # every mode's server up at once, taking each point in turn
 
     def kinds_for(self, mode: Mode) -> list[str]:
         """The request kinds ``mode``'s server takes, in order: the job API where the plan
@@ -91,6 +94,9 @@ def run_plans(plans: list[EnginePlan], cfg: RunConfig, redis_url: str, console: 
     with progress:
         run = _ModeRun(cfg, redis_url, r, console, progress, progress.add_task("bench", total=total_points), rows)
         for plan in plans:
+            if plan.interleave and len(plan.points) > 1:
+                run.interleaved(plan)
+                continue
             for mode_name, loads in plan.points:
                 run.mode(plan, MODES[mode_name], loads)
     r.close()
@@ -114,16 +120,11 @@ class _ModeRun:
         kinds = plan.kinds_for(mode)
         step = self.progress.add_task(f"{tag}: starting", total=None)
         self.r.flushdb()
-        t_start = time.monotonic()
-        try:
-            server = start_server(mode, plan.setup, self.redis_url,
-                                  self.cfg.out / "logs" / f"{plan.setup.key}-{mode.name}", console=self.console)
-        except Exception as e:
-            self.console.print(f"[red]{tag}: could not start: {e}[/]")
-            self._failed(plan, mode, loads, kinds, f"start failed: {e}")
+        started = self._start(plan, mode, loads, kinds)
+        if started is None:
             self.progress.remove_task(step)
             return
-        startup_s = time.monotonic() - t_start
+        server, startup_s = started
         try:
             self._measure_all(plan, server, loads, kinds, step, startup_s)
         except Exception as e:
@@ -132,11 +133,66 @@ class _ModeRun:
             self._failed(plan, mode, loads, kinds, str(e))
         finally:
             self.progress.update(step, description=f"{tag}: stopping")
-            t_stop = time.monotonic()
-            server.stop()
-            if self.rows and self.rows[-1]["mode"] == mode.name:
-                self.rows[-1]["stop_s"] = time.monotonic() - t_stop
+            self._stop(server)
             self.progress.remove_task(step)
+
+    def _start(self, plan: EnginePlan, mode: Mode, loads: list[Load], kinds: list[str]) -> tuple[Server, float] | None:
+        """The mode's server and its start-up seconds; None (its points failed) when it cannot start."""
+        t_start = time.monotonic()
+        try:
+            server = start_server(mode, plan.setup, self.redis_url,
+                                  self.cfg.out / "logs" / f"{plan.setup.key}-{mode.name}", console=self.console)
+        except Exception as e:
+            self.console.print(f"[red]{plan.setup.key}/{mode.name}: could not start: {e}[/]")
+            self._failed(plan, mode, loads, kinds, f"start failed: {e}")
+            return None
+        return server, time.monotonic() - t_start
+
+    def _stop(self, server: Server) -> None:
+        t_stop = time.monotonic()
+        server.stop()
+        mine = [x for x in self.rows if x["mode"] == server.mode.name and "error" not in x]
+        if mine:
+            mine[-1]["stop_s"] = time.monotonic() - t_stop
+
+    def interleaved(self, plan: EnginePlan) -> None:
+        """Every mode's server up, then each (kind, load) point taken by each mode in turn."""
+        step = self.progress.add_task(f"{plan.setup.key}: starting", total=None)
+        self.r.flushdb()
+        up: list[tuple[Mode, list[Load], Server, float]] = []
+        try:
+            for name, loads in plan.points:
+                mode = MODES[name]
+                self.progress.update(step, description=f"{plan.setup.key}/{name}: starting")
+                started = self._start(plan, mode, loads, plan.kinds_for(mode))
+                if started is not None:
+                    up.append((mode, loads, *started))
+            self._take_turns(plan, up, step)
+        finally:
+            for _, _, server, _ in up:
+                self._stop(server)
+            self.progress.remove_task(step)
+        order = {name: i for i, (name, _) in enumerate(plan.points)}
+        mine = sorted((x for x in self.rows if x["engine"] == plan.setup.key), key=lambda x: order[x["mode"]])
+        self.rows[:] = [x for x in self.rows if x["engine"] != plan.setup.key] + mine  # mode by mode, as run alone
+
+    def _take_turns(self, plan: EnginePlan, up: list, step) -> None:
+        base = {mode.name: 0 for mode, *_ in up}
+        warmed: set[tuple[str, str]] = set()
+        for kind in dict.fromkeys(k for mode, *_ in up for k in plan.kinds_for(mode)):
+            for i in range(max(len(loads) for _, loads, *_ in up)):
+                for mode, loads, server, startup_s in up:
+                    if kind not in plan.kinds_for(mode) or i >= len(loads):
+                        continue
+                    try:
+                        client = client_for(server, plan, kind)
+                        self._warm(server, client, plan, kind, warmed)
+                        row = self._point(plan, server, client, loads[i], base[mode.name], step, startup_s)
+                        base[mode.name] += row["requests"]
+                    except Exception as e:
+                        self.console.print(f"[red]{plan.setup.key}/{mode.name} {kind} {loads[i].label}: failed: {e}[/]")
+                        self.rows.append(_row(plan, mode.name, loads[i], kind=kind, error=str(e)))
+                        self.progress.advance(self.overall)
 
     def _failed(self, plan: EnginePlan, mode: Mode, loads: list[Load], kinds: list[str], error: str) -> None:
         done = {(x["engine"], x["mode"], x.get("kind"), x["load"]) for x in self.rows}
@@ -148,32 +204,42 @@ class _ModeRun:
 
     def _measure_all(self, plan: EnginePlan, server: Server, loads: list[Load], kinds: list[str], step,
                      startup_s: float) -> None:
-        cfg, tag = self.cfg, f"{plan.setup.key}/{server.mode.name}"
         first = len(self.rows)
         base = 0
-        for i, kind in enumerate(kinds):
+        warmed: set[tuple[str, str]] = set()
+        for kind in kinds:
             client = client_for(server, plan, kind)
-            self.progress.update(step, description=f"{tag} {kind}: warm-up")
-            # The server's first requests, then one for each further kind (its endpoint's first use).
-            warm = cfg.warm_requests if i == 0 else 1
-            asyncio.run(run_load(client, plan.prompts[-warm:], requests=warm, concurrency=1,
-                                 timeout_s=cfg.request_timeout_s))
+            self._warm(server, client, plan, kind, warmed)
             for load in loads:
-                self.progress.update(step, description=f"{tag} {kind} {load.label}", total=load.requests or None,
-                                     completed=0)
-                load = Load(load.concurrency, load.rate, 0 if cfg.duration_s else load.requests, load.max_s)
-                row = _measure(plan, server, client, load, cfg, self.r, base, self.progress, step)
-                row["startup_s"] = startup_s
-                self.rows.append(row)
-                base += row["requests"]
-                self.progress.advance(self.overall)
-                s = row["summary"]
-                lat, ttft = s["latency_s"]["p50"], (s["ttft_s"] or {}).get("p50")
-                self.console.print(f"{tag} {kind} {load.label}: {s['throughput_rps']:.2f} req/s, {s['output_tok_s']:.0f} "
-                                   f"tok/s, p50 {lat * 1000 if lat else float('nan'):.0f} ms"
-                                   + (f", TTFT p50 {ttft * 1000:.0f} ms" if ttft else "") + f", errors {s['errors']}")
+                base += self._point(plan, server, client, load, base, step, startup_s)["requests"]
         if kinds:
             self._extras(plan, server, client, self.rows[first])
+
+    def _warm(self, server: Server, client, plan: EnginePlan, kind: str, warmed: set[tuple[str, str]]) -> None:
+        """The server's first requests, then one for each further kind (its endpoint's first use)."""
+        first = not any(m == server.mode.name for m, _ in warmed)
+        if (server.mode.name, kind) in warmed:
+            return
+        warmed.add((server.mode.name, kind))
+        warm = self.cfg.warm_requests if first else 1
+        asyncio.run(run_load(client, plan.prompts[-warm:], requests=warm, concurrency=1,
+                             timeout_s=self.cfg.request_timeout_s))
+
+    def _point(self, plan: EnginePlan, server: Server, client, load: Load, base: int, step, startup_s: float) -> dict:
+        """One load point of one server: measured, kept as a row, said on the console."""
+        cfg, tag, kind = self.cfg, f"{plan.setup.key}/{server.mode.name}", getattr(client, "kind", JOBS)
+        self.progress.update(step, description=f"{tag} {kind} {load.label}", total=load.requests or None, completed=0)
+        load = Load(load.concurrency, load.rate, 0 if cfg.duration_s else load.requests, load.max_s)
+        row = _measure(plan, server, client, load, cfg, self.r, base, self.progress, step)
+        row["startup_s"] = startup_s
+        self.rows.append(row)
+        self.progress.advance(self.overall)
+        s = row["summary"]
+        lat, ttft = s["latency_s"]["p50"], (s["ttft_s"] or {}).get("p50")
+        self.console.print(f"{tag} {kind} {load.label}: {s['throughput_rps']:.2f} req/s, {s['output_tok_s']:.0f} "
+                           f"tok/s, p50 {lat * 1000 if lat else float('nan'):.0f} ms"
+                           + (f", TTFT p50 {ttft * 1000:.0f} ms" if ttft else "") + f", errors {s['errors']}")
+        return row
 
     def _extras(self, plan: EnginePlan, server: Server, client, first_row: dict) -> None:
         """The no-op pipelines' Redis MONITOR trace and stream-end lag, on the mode's first row."""

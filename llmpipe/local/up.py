@@ -266,6 +266,7 @@ def _print_ready(out: Console, s: Settings, flower: bool, embedded: EmbeddedRedi
     lines += [
         f"  Redis    {_safe(s.redis_url)}" + (" (embedded)" if embedded else ""),
         f"  Logs     {pipeline.sup.log_dir}",
+        *_cpus_line(pipeline),
         "  Try:",
         f"    curl -s {api}/v1/jobs -H 'content-type: application/json' -d '{body}'",
         f"    curl -s '{api}/v1/jobs/<id>?wait=30'",
@@ -273,3 +274,13 @@ def _print_ready(out: Console, s: Settings, flower: bool, embedded: EmbeddedRedi
         "  Ctrl-C stops (warm: running requests finish, queued ones wait in Redis); twice forces.",
     ]
     out.print("\n".join([lines[0], *map(escape, lines[1:])]), markup=True, highlight=False)
+
+
+def _cpus_line(pipeline: LocalPipeline) -> list[str]:
+    """Where the processes run, when they are kept off the engine's CPUs (llmpipe/local/placement.py)."""
+    p = pipeline.placement
+    if p is None or p.cpus is None:
+        return []
+    cpus = ",".join(map(str, sorted(p.cpus)))
+    engine = ",".join(map(str, sorted(p.host - p.cpus)))
+    return [f"  CPUs     vLLM computes on {engine}; llmpipe's other processes run on {cpus}"]

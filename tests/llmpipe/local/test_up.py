@@ -152,6 +152,8 @@ def _off_the_engine_cpus(up) -> None:
         "redis-server", "-Q preprocess", "-Q postprocess", " api ") if w in cmdline(p)}
     where = {p: {affinity(int(t)) for t in os.listdir(f"/proc/{p}/task")} for p in others}
     assert all(cpus == {host - bound} for cpus in where.values()), where
+    listed = [",".join(map(str, sorted(c))) for c in (bound, host - bound)]
+    assert f"CPUs     vLLM computes on {listed[0]}; llmpipe's other processes run on {listed[1]}" in up.out
 
 
 def _inference_log(up) -> str:
