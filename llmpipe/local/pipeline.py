@@ -22,6 +22,7 @@ from rich.console import Console
 from llmpipe.broker.redis_clients import celery_probe
 from llmpipe.local.devices import DeviceError, assign, own_gpus, visible_gpus
 from llmpipe.local.placement import Placement
+from llmpipe.local.placement import supported as placement_supported
 from llmpipe.local.restarts import RestartPolicy
 from llmpipe.local.supervisor import Child, Crash, Supervisor, how_exited, python_env
 from llmpipe.settings import Settings
@@ -148,7 +149,7 @@ class LocalPipeline:
         self.env = python_env({**settings_env(settings), "PROMETHEUS_MULTIPROC_DIR": str(self.metrics_dir),
                                **(extra_env or {})})
         # Off the CPUs vLLM computes on, once its engines are up (isolate_engine_cpus).
-        self.placement = Placement() if settings.isolate_engine_cpus else None
+        self.placement = Placement() if settings.isolate_engine_cpus and placement_supported() else None
         self.sup.on_start = self._place_child
 
     @property

@@ -71,6 +71,11 @@ def pin(pid: int, cpus: frozenset[int]) -> int:
     return n
 
 
+def supported() -> bool:
+    """CPU affinity is Linux's (and so are vLLM's CPU bindings)."""
+    return hasattr(os, "sched_setaffinity") and hasattr(os, "sched_getaffinity")
+
+
 class Placement:
     """Where a host's non-engine processes run: unknown until the engines are up (``learn``)."""
 
@@ -89,4 +94,4 @@ class Placement:
             pin(pid, self.cpus)
 
 
-__all__ = ["Placement", "affinity", "engine_cpus", "free_cpus", "pin"]
+__all__ = ["Placement", "affinity", "engine_cpus", "free_cpus", "pin", "supported"]

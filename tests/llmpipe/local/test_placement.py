@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from llmpipe.local.placement import Placement, affinity, engine_cpus, free_cpus, pin
+from llmpipe.local.placement import Placement, affinity, engine_cpus, free_cpus, pin, supported
+from llmpipe.local import pipeline as local_pipeline
+from llmpipe.local.pipeline import LocalPipeline
 from llmpipe.local.supervisor import Supervisor, descendants
+from llmpipe.settings import Settings
 from tests.harness.waiting import wait_until
 
 HOST = affinity(0)
@@ -103,3 +106,14 @@ def test_a_child_is_placed_as_it_starts_so_its_own_children_inherit(tmp_path: Pa
 def test_pin_counts_the_threads_it_bound():
     assert pin(os.getpid(), HOST) >= 1  # this process, on all it may use: nothing changes
     assert affinity(0) == HOST
+
+
+
+def test_a_local_pipeline_places_only_where_affinity_is_supported_and_asked_for(monkeypatch, tmp_path):
+    assert supported()  # Linux
+    assert LocalPipeline(Settings(state_dir=tmp_path), api=False).placement is not None
+    assert LocalPipeline(Settings(state_dir=tmp_path, isolate_engine_cpus=False), api=False).placement is None
+    monkeypatch.setattr(local_pipeline, "placement_supported", lambda: False)  # not Linux
+    lp = LocalPipeline(Settings(state_dir=tmp_path), api=False)
+    assert lp.placement is None
+    lp.place(os.getpid())  # a no-op
