@@ -177,22 +177,26 @@ class _ModeRun:
         self.rows[:] = [x for x in self.rows if x["engine"] != plan.setup.key] + mine  # mode by mode, as run alone
 
     def _take_turns(self, plan: EnginePlan, up: list, step) -> None:
+        """A server that fails a point takes no more turns: its points left fail with its error."""
         base = {mode.name: 0 for mode, *_ in up}
         warmed: set[tuple[str, str]] = set()
+        broken: dict[str, str] = {}
         for kind in dict.fromkeys(k for mode, *_ in up for k in plan.kinds_for(mode)):
             for i in range(max(len(loads) for _, loads, *_ in up)):
                 for mode, loads, server, startup_s in up:
-                    if kind not in plan.kinds_for(mode) or i >= len(loads):
+                    if kind not in plan.kinds_for(mode) or i >= len(loads) or mode.name in broken:
                         continue
                     try:
                         client = client_for(server, plan, kind)
                         self._warm(server, client, plan, kind, warmed)
-                        row = self._point(plan, server, client, loads[i], base[mode.name], step, startup_s)
-                        base[mode.name] += row["requests"]
+                        base[mode.name] += self._point(plan, server, client, loads[i], base[mode.name], step,
+                                                       startup_s)["requests"]
                     except Exception as e:
                         self.console.print(f"[red]{plan.setup.key}/{mode.name} {kind} {loads[i].label}: failed: {e}[/]")
-                        self.rows.append(_row(plan, mode.name, loads[i], kind=kind, error=str(e)))
-                        self.progress.advance(self.overall)
+                        broken[mode.name] = str(e)
+        for mode, loads, *_ in up:
+            if mode.name in broken:
+                self._failed(plan, mode, loads, plan.kinds_for(mode), broken[mode.name])
 
     def _failed(self, plan: EnginePlan, mode: Mode, loads: list[Load], kinds: list[str], error: str) -> None:
         done = {(x["engine"], x["mode"], x.get("kind"), x["load"]) for x in self.rows}

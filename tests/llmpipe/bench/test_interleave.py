@@ -35,7 +35,7 @@ def _plan() -> EnginePlan:
                       kinds=["completions-stream", "chat"], interleave=True)
 
 
-def _run(monkeypatch, tmp_path: Path, cannot_start: set[str] = frozenset()):
+def _run(monkeypatch, tmp_path: Path, cannot_start: set[str] = frozenset(), fails_at: tuple | None = None):
     events: list[tuple] = []
 
     def start_server(mode, setup, redis_url, log_dir, console=None):
@@ -47,6 +47,8 @@ def _run(monkeypatch, tmp_path: Path, cannot_start: set[str] = frozenset()):
 
     def measure(plan, server, client, load, cfg, r, base, progress, step):
         events.append(("measure", server.mode.name, client.kind, load.label, base))
+        if (server.mode.name, client.kind, load.label) == fails_at:
+            raise RuntimeError("server gone")
         return {"engine": plan.setup.key, "mode": server.mode.name, "kind": client.kind, "load": load.label,
                 "requests": load.requests, "summary": {"throughput_rps": 1.0, "output_tok_s": 1.0, "errors": 0,
                                                        "latency_s": {"p50": 0.1}, "ttft_s": None}}
@@ -95,3 +97,14 @@ def test_servers_take_turns_on_a_cpu_and_run_one_after_another_on_a_gpu():
     assert interleaves(Device(Platform.CPU))
     assert not interleaves(Device(Platform.CUDA, "NVIDIA H200", 150 * 2**30))
     assert MODES["vllm-serve"].kind == "vllm-serve"
+
+
+def test_a_server_that_fails_a_point_takes_no_more_turns(monkeypatch, tmp_path):
+    events, rows = _run(monkeypatch, tmp_path, fails_at=("vllm-serve", "completions-stream", "c=8"))
+    measured = [e[1:4] for e in events if e[0] == "measure"]
+    assert [m for m in measured if m[0] == "vllm-serve"] == [("vllm-serve", "completions-stream", "c=1"),
+                                                            ("vllm-serve", "completions-stream", "c=8")]
+    assert len([m for m in measured if m[0] == "pipeline-window50"]) == 4  # the other goes on
+    failed = [(x["kind"], x["load"]) for x in rows if x.get("error")]
+    assert failed == [("completions-stream", "c=8"), ("chat", "c=1"), ("chat", "c=8")]
+    assert {x["error"] for x in rows if x.get("error")} == {"server gone"}
