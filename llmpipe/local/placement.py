@@ -17,13 +17,10 @@ own process (Celery, vLLM's front end) stays unbound, as ``vllm serve``'s API se
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Iterable
 
 from llmpipe.local.supervisor import descendants
-
-log = logging.getLogger("llmpipe.local.placement")
 
 Affinity = Callable[[int], frozenset[int]]
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from llmpipe.local.placement import Placement, affinity, engine_cpus, free_cpus, pin, supported
 from llmpipe.local import pipeline as local_pipeline
 from llmpipe.local.pipeline import LocalPipeline
+from llmpipe.local.placement import Placement, affinity, engine_cpus, free_cpus, pin, supported
 from llmpipe.local.supervisor import Supervisor, descendants
 from llmpipe.settings import Settings
 from tests.harness.waiting import wait_until

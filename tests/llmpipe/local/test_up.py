@@ -147,6 +147,7 @@ def _off_the_engine_cpus(up) -> None:
     inference = one_process(up, "celery", "-Q inference")
     bound = engine_cpus([inference], host)
     assert bound and bound < host, bound
+    assert affinity(inference) == host  # the inference worker's own process stays unbound
     others = {p for p in up.collect() - {up.proc.pid, inference} - descendants(inference) if alive(p)}
     assert {"redis-server", "-Q preprocess", "-Q postprocess", " api "} <= {w for p in others for w in (
         "redis-server", "-Q preprocess", "-Q postprocess", " api ") if w in cmdline(p)}
