@@ -133,7 +133,7 @@ class _ModeRun:
             self._failed(plan, mode, loads, kinds, str(e))
         finally:
             self.progress.update(step, description=f"{tag}: stopping")
-            self._stop(server)
+            self._stop(plan, server)
             self.progress.remove_task(step)
 
     def _start(self, plan: EnginePlan, mode: Mode, loads: list[Load], kinds: list[str]) -> tuple[Server, float] | None:
@@ -148,10 +148,12 @@ class _ModeRun:
             return None
         return server, time.monotonic() - t_start
 
-    def _stop(self, server: Server) -> None:
+    def _stop(self, plan: EnginePlan, server: Server) -> None:
+        """Stops the server; its stop seconds go on its last measured row (none: on no one's)."""
         t_stop = time.monotonic()
         server.stop()
-        mine = [x for x in self.rows if x["mode"] == server.mode.name and "error" not in x]
+        mine = [x for x in self.rows
+                if x["engine"] == plan.setup.key and x["mode"] == server.mode.name and "error" not in x]
         if mine:
             mine[-1]["stop_s"] = time.monotonic() - t_stop
 
@@ -170,7 +172,7 @@ class _ModeRun:
             self._take_turns(plan, up, step)
         finally:
             for _, _, server, _ in up:
-                self._stop(server)
+                self._stop(plan, server)
             self.progress.remove_task(step)
         order = {name: i for i, (name, _) in enumerate(plan.points)}
         mine = sorted((x for x in self.rows if x["engine"] == plan.setup.key), key=lambda x: order[x["mode"]])

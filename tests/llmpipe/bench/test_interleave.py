@@ -35,7 +35,8 @@ def _plan() -> EnginePlan:
                       kinds=["completions-stream", "chat"], interleave=True)
 
 
-def _run(monkeypatch, tmp_path: Path, cannot_start: set[str] = frozenset(), fails_at: tuple | None = None):
+def _run(monkeypatch, tmp_path: Path, cannot_start: set[str] = frozenset(), fails_at: tuple | None = None,
+         earlier: dict = EARLIER):
     events: list[tuple] = []
 
     def start_server(mode, setup, redis_url, log_dir, console=None):
@@ -62,7 +63,7 @@ def _run(monkeypatch, tmp_path: Path, cannot_start: set[str] = frozenset(), fail
     monkeypatch.setattr(runner, "run_load", run_load)
     console = Console(file=io.StringIO())
     progress = Progress(console=console)
-    rows: list[dict] = [EARLIER]  # an earlier plan's row stays first
+    rows: list[dict] = [earlier]  # an earlier plan's row stays first
     run = _ModeRun(RunConfig(out=tmp_path), "redis://x", FakeRedis(), console, progress, progress.add_task("b"), rows)
     run.interleaved(_plan())
     return events, rows
@@ -108,3 +109,10 @@ def test_a_server_that_fails_a_point_takes_no_more_turns(monkeypatch, tmp_path):
     failed = [(x["kind"], x["load"]) for x in rows if x.get("error")]
     assert failed == [("completions-stream", "c=8"), ("chat", "c=1"), ("chat", "c=8")]
     assert {x["error"] for x in rows if x.get("error")} == {"server gone"}
+
+
+def test_a_server_with_no_measured_row_puts_its_stop_time_on_no_other_engines_row(monkeypatch, tmp_path):
+    earlier = {**EARLIER, "mode": "vllm-serve"}  # the same mode's row of an earlier engine
+    events, rows = _run(monkeypatch, tmp_path, fails_at=("vllm-serve", "completions-stream", "c=1"), earlier=earlier)
+    assert ("stop", "vllm-serve") in events
+    assert "stop_s" not in rows[0]

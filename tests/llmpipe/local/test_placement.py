@@ -108,7 +108,6 @@ def test_pin_counts_the_threads_it_bound():
     assert affinity(0) == HOST
 
 
-
 def test_a_local_pipeline_places_only_where_affinity_is_supported_and_asked_for(monkeypatch, tmp_path):
     assert supported()  # Linux
     assert LocalPipeline(Settings(state_dir=tmp_path), api=False).placement is not None
