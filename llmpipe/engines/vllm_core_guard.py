@@ -20,6 +20,7 @@ the engine core's main thread, which builds its executor.
 from __future__ import annotations
 
 import ctypes
+import gc
 import multiprocessing
 import os
 import signal
@@ -28,6 +29,23 @@ from typing import Any
 _PR_SET_PDEATHSIG = 1
 # vLLM's entry points, in the process that installed the guard (and in its forks).
 _originals: dict[str, Any] = {}
+# The names vLLM gives the processes it starts with multiprocessing (its CPU platform always
+# spawns them): the engine core (EngineCore_DP<i> with data parallelism) and executor workers.
+VLLM_CHILDREN = ("EngineCore", "VllmWorker-")
+
+
+def pause_collector_in_a_spawned_child() -> bool:
+    """In a process that vLLM spawns, this module is imported while the child unpickles its
+    start function (run_engine_core, worker_main), before vLLM's own modules, which the
+    start's arguments import next: the collector stays off through that import
+    (llmpipe/observability/heap.py, collector_paused), until the start function runs."""
+    if not multiprocessing.current_process().name.startswith(VLLM_CHILDREN):
+        return False
+    gc.disable()
+    return True
+
+
+pause_collector_in_a_spawned_child()
 
 
 def _patch(cls: type, name: str, replacement) -> None:
@@ -71,6 +89,7 @@ def run_engine_core(*args: Any, **kwargs: Any) -> Any:
     """In the engine-core process: die with the parent, then run vLLM's engine core."""
     from vllm.v1.engine.core import EngineCoreProc
 
+    gc.enable()  # paused since this module's import (pause_collector_in_a_spawned_child)
     die_with_parent_process()
     _install_for_workers()  # the engine core's own children, in this (maybe spawned) process
     return _original(EngineCoreProc, "run_engine_core", run_engine_core)(*args, **kwargs)
@@ -82,6 +101,7 @@ def worker_main(*args: Any, **kwargs: Any) -> Any:
     model's memory meanwhile."""
     from vllm.v1.executor.multiproc_executor import WorkerProc
 
+    gc.enable()  # as in run_engine_core
     die_with_parent_process()
     return _original(WorkerProc, "worker_main", worker_main)(*args, **kwargs)
 
@@ -97,4 +117,4 @@ def die_with_parent_process(sig: int = signal.SIGKILL) -> None:
         os._exit(1)
 
 
-__all__ = ["die_with_parent_process", "install", "run_engine_core", "worker_main"]
+__all__ = ["die_with_parent_process", "install", "pause_collector_in_a_spawned_child", "run_engine_core", "worker_main"]

@@ -39,6 +39,7 @@ from llmpipe.engines.vllm_convert import (
 )
 from llmpipe.errors import EngineBadRequestError, EngineDeadError, EngineError
 from llmpipe.messages import FinishReason, Logprob, SamplingParams
+from llmpipe.observability.heap import collector_paused
 from llmpipe.observability.metrics import ENGINE_ABORTS
 
 log = logging.getLogger(__name__)
@@ -76,14 +77,14 @@ class VllmEngine(Engine):
         if owned:
             raise EngineError(f"engine argument {owned[0]} is set by the pipeline: {OWNED[owned[0]]}")
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-        self._on_cpu = _on_cpu()
-        if self._on_cpu:
-            for name, value in cpu_environment(kv_cache_gib).items():
-                os.environ.setdefault(name, value)  # a variable the user set wins
+        with collector_paused():  # torch's and vLLM's imports build a heap this worker keeps (heap.py)
+            self._on_cpu = _on_cpu()
+            if self._on_cpu:
+                for name, value in cpu_environment(kv_cache_gib).items():
+                    os.environ.setdefault(name, value)  # a variable the user set wins
+            from vllm.engine.arg_utils import AsyncEngineArgs
 
-        from vllm.engine.arg_utils import AsyncEngineArgs
-
-        vllm_core_guard.install()  # no orphaned engine core when this worker is killed
+            vllm_core_guard.install()  # no orphaned engine core when this worker is killed
         self._model = model
         args = built_args(engine_args, kv_cache_gib=kv_cache_gib, on_cpu=self._on_cpu)
         try:
@@ -106,7 +107,8 @@ class VllmEngine(Engine):
         self._block_size: int | None = None
         self._vocab_size = 0
         self._eos_ids: list[int] = []
-        self._start_loop_and_engine(model, start_timeout_s)
+        with collector_paused():  # AsyncLLM's import and start, as above
+            self._start_loop_and_engine(model, start_timeout_s)
 
     def _start_loop_and_engine(self, model: str, start_timeout_s: float) -> None:
         """The loop thread, then AsyncLLM on it; a failed start stops what it started."""

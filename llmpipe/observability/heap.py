@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 
 
 def freeze_heap() -> int:
@@ -14,3 +16,19 @@ def freeze_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """No automatic collection inside: for a start-up that builds a heap it keeps (importing
+    torch and vLLM makes hundreds of thousands of objects and no garbage), where each
+    collection would walk everything built so far. Importing vLLM took 6.0-6.6 s of CPU
+    with the collector off against 7.5-7.7 s with it on (measured on a 2-core EPYC). The
+    collector's state before is restored after."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

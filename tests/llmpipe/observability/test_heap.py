@@ -73,3 +73,20 @@ def test_a_worker_freezes_its_heap_after_warming_and_the_served_app_too(unfrozen
     monkeypatch.setattr(api.app, "create_app", lambda: "app")
     assert api.app.serve_app() == "app"
     assert gc.get_freeze_count() > 0
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_no_collection_inside_collector_paused_and_the_collector_as_it_was_after(enabled):
+    from llmpipe.observability.heap import collector_paused
+
+    (gc.enable if enabled else gc.disable)()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled() is enabled
+        with pytest.raises(RuntimeError), collector_paused():
+            raise RuntimeError("a failed start")
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()
+
