@@ -21,7 +21,7 @@ def freeze_heap() -> int:
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
     """No automatic collection inside: for a start-up that builds a heap it keeps (importing
-    torch and vLLM makes hundreds of thousands of objects and no garbage), where each
+    torch and vLLM makes hundreds of thousands of objects and little garbage), where each
     collection would walk everything built so far. ``import vllm.v1.engine.async_llm`` took
     6.0-6.6 s of user CPU with the collector off against 7.5-7.7 s with it on (three runs
     each, a 2-core EPYC). Process-wide, as the collector is: a thread that enters while

@@ -18,8 +18,9 @@ from llmpipe.engines import vllm_core_guard
 
 
 def write_collector_state(path: str) -> None:
-    """Run by the child as it unpickles its arguments, after its start function: it writes
-    whether the collector is on then, and ends the child (the start function is not run)."""
+    """Run by the child while it unpickles its arguments, which it does after unpickling its
+    start function: writes whether the collector is on then, and ends the child there (the
+    start function never runs)."""
     Path(path).write_text(str(gc.isenabled()))
     os._exit(0)
 
