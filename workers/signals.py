@@ -10,8 +10,6 @@ import sys
 import threading
 
 import redis
-from celery.exceptions import WorkerShutdown
-from celery.platforms import EX_OK
 from celery.signals import (
     task_failure,
     worker_init,
@@ -34,6 +32,7 @@ from llmpipe.settings import get_settings
 from llmpipe.stages import COLLECT, ExitCode, Stage
 from workers import hook, task_logging
 from workers.context import context
+from workers.load_stop import stop_loading_worker
 from workers.pool_policy import serves  # its worker_init (pool, kind) runs before the ones below
 
 log = logging.getLogger("llmpipe.worker")
@@ -93,6 +92,7 @@ def _warm_cpu_stage(sender=None, **_):
 
 
 _loading = threading.Event()  # set while _warm loads the engine
+_loading_heart = None  # the loading worker's Celery heartbeat (it says worker-offline on a stop)
 
 
 @worker_ready.connect
@@ -100,6 +100,8 @@ def _warm(sender=None, **_):
     # The inference worker loads its engine before taking traffic, so the first request
     # does not pay the load (and it answers pings only once the engine is up).
     if serves(_INF):
+        global _loading_heart
+        _loading_heart = getattr(sender, "heart", None)  # the sender is the worker's consumer
         s = context().settings
         log.info("loading engine %s for model %s (queue %s)", s.engine.value, context().own_model.name,
                  context().own_model.queue)
@@ -155,14 +157,12 @@ def _leave_routing(**_):
 @worker_shutting_down.connect
 def _stop_while_loading(sig=None, **_):
     # Runs in Celery's signal handler, on the main thread, which may be in _warm's load: a
-    # worker whose engine is still loading holds no request (it runs none before its engine
-    # is up, and what its consumer prefetched goes back to the broker), so a warm shutdown
-    # has nothing to wait for, and stops now instead of after the load (the seconds of a
-    # tiny model, a compile's minutes). WorkerShutdown unwinds the load, which takes down
-    # an engine core it started, and Celery stops with exit code 0.
+    # worker whose engine is still loading has nothing to wait for, and stops now instead
+    # of after the load (the seconds of a tiny model, a compile's minutes). It exits here,
+    # with the load's processes, rather than raise into the load (workers/load_stop.py).
     if _loading.is_set():
         log.warning("%s while the engine loads: stopping now, with no request held", sig)
-        raise WorkerShutdown(EX_OK)
+        stop_loading_worker(_loading_heart)
 
 
 @worker_shutdown.connect

@@ -27,7 +27,9 @@ Keys (all optional):
   ``llmpipe:test:delays`` (field ``batch`` or a task name, value in seconds); such a delay
   is a hold: it ends early when the field is deleted (a test clears it at a kill);
 - the field ``load`` of that hash holds an engine's load at its end (where the engine is
-  wrapped), for a test that stops a worker while its engine loads;
+  wrapped), for a test that stops a worker while its engine loads; the hold goes on
+  through any exception raised into it, as a real load may (a finalizer, a library's
+  bare ``except``), so the worker must stop without the load's help;
 - ``ledger``: count, per request id, engine attempts and completions in the Redis hashes
   ``llmpipe:test:engine-started`` and ``llmpipe:test:engine-done``.
 
@@ -73,6 +75,18 @@ def _runtime_delay(r: Any, name: str) -> float:
             log.warning("fault delay %s not read (attempt %d: %s)", name, attempt + 1, exc)
             time.sleep(0.1)
     return 0.0
+
+
+def _deaf_hold(r: Any, name: str, seconds: float) -> None:
+    """``_hold``, carried on through whatever a signal handler raises into it."""
+    if seconds > 0:
+        log.warning("holding the %s (test)", name)
+    end = time.monotonic() + seconds  # an exception does not restart the hold
+    while True:
+        try:
+            return _hold(r, name, max(0.0, end - time.monotonic()))
+        except BaseException:  # noqa: BLE001 - what a real load may do with a WorkerShutdown
+            log.warning("the %s hold swallowed an exception and goes on", name)
 
 
 def _hold(r: Any, name: str, seconds: float, *, every: float = 0.05,
@@ -225,7 +239,7 @@ def wrap_from_env(engine: Engine, settings: Any, model_path: str | None) -> Engi
         return tok.decode(ids)
 
     r = from_settings(settings, socket_timeout=5, socket_connect_timeout=3)
-    _hold(r, "load", _runtime_delay(r, "load"))
+    _deaf_hold(r, "load", _runtime_delay(r, "load"))
     return FaultInjectingEngine(engine, spec, decode, r)
 
 
