@@ -58,12 +58,19 @@ class ImagesBuild:
         self.cli = cli
         self.script = script
         self.proc: subprocess.Popen | None = None
+        # The script runs (and starts its children) before Popen returns to run(): a stop()
+        # in that window found no process to stop, and the build went on (seen under load).
+        self._lock = threading.Lock()
+        self._stopped = False
 
     def run(self) -> dict:
         env = {**os.environ, "LLMPIPE_COMPOSE": " ".join(self.cli)}
         t0 = time.monotonic()
-        self.proc = subprocess.Popen([str(self.script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        with self._lock:
+            if self._stopped:
+                return {"returncode": None, "stdout": "", "stderr": "stopped before it started", "seconds": 0.0}
+            self.proc = subprocess.Popen([str(self.script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             out, err = self.proc.communicate(timeout=BUILD_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -73,6 +80,8 @@ class ImagesBuild:
         return {"returncode": self.proc.returncode, "stdout": out, "stderr": err, "seconds": time.monotonic() - t0}
 
     def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGTERM)  # the script and the docker builds it runs
             try:

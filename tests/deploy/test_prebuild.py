@@ -79,12 +79,17 @@ def test_a_worker_without_a_controller_builds_itself(tmp_path):
     assert prebuild.prebuilt(Config()).folder == tmp_path
 
 
-def test_a_stopped_build_leaves_no_process_behind(tmp_path):
+def _build(tmp_path, body: str) -> ImagesBuild:
+    """An ImagesBuild of a shell script with ``body`` in place of scripts/compose-images.sh."""
     script = tmp_path / "build.sh"
-    pids = tmp_path / "pids"
-    script.write_text(f"#!/bin/sh\nsleep 300 &\necho $$ $! > {pids}.tmp && mv {pids}.tmp {pids}\nwait\n")
+    script.write_text(f"#!/bin/sh\n{body}")
     script.chmod(0o755)
-    build = ImagesBuild(["compose"], script=script)
+    return ImagesBuild(["compose"], script=script)
+
+
+def test_a_stopped_build_leaves_no_process_behind(tmp_path):
+    pids = tmp_path / "pids"
+    build = _build(tmp_path, f"sleep 300 &\necho $$ $! > {pids}.tmp && mv {pids}.tmp {pids}\nwait\n")
     outcome: dict = {}
     t = threading.Thread(target=lambda: outcome.update(build.run()))
     t.start()
@@ -95,6 +100,14 @@ def test_a_stopped_build_leaves_no_process_behind(tmp_path):
     assert not t.is_alive() and outcome["returncode"] != 0
     for pid in (shell, child):
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
+
+
+def test_a_build_stopped_before_it_starts_never_starts(tmp_path):
+    ran = tmp_path / "ran"
+    build = _build(tmp_path, f"touch {ran}\n")
+    build.stop()
+    assert build.run()["stderr"] == "stopped before it started"
+    assert build.proc is None and not ran.exists()
 
 
 def test_the_wait_for_a_build_is_bounded_and_says_whether_it_ended(tmp_path):
