@@ -13,6 +13,7 @@ API").
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from dataclasses import dataclass
 from functools import lru_cache
@@ -59,21 +60,51 @@ def parse_nvidia_smi(out: str) -> tuple[str, int] | None:
         return None
 
 
+# ``nvidia-smi -L``: a GPU's line, then one line per MIG device on it, whose profile names
+# its memory ("MIG 1g.10gb     Device  0: (UUID: MIG-...)").
+_GPU_LINE = re.compile(r"^GPU \d+: (.+?) \(UUID: ")
+_MIG_LINE = re.compile(r"^\s*MIG (\d+g\.(\d+)gb)\s+Device\s+\d+: \(UUID: (MIG-[^)\s]+)\)")
+
+
+def parse_mig_listing(out: str, uuid: str) -> tuple[str, int] | None:
+    """(name, memory in bytes) of the MIG device ``uuid`` in ``nvidia-smi -L``'s listing: its
+    GPU's name and its profile, and the profile's memory (in GB, as NVIDIA names profiles:
+    within a few percent of what vLLM reads, and no profile lies near its 70 or 160 GiB
+    steps). None when the listing does not name it."""
+    gpu = ""
+    for line in out.splitlines():
+        if m := _GPU_LINE.match(line):
+            gpu = m.group(1)
+        elif (m := _MIG_LINE.match(line)) and m.group(3) == uuid:
+            return f"{gpu} MIG {m.group(1)}", int(m.group(2)) * 10**9
+    return None
+
+
+def _nvidia_smi(args: list[str]) -> str | None:
+    """nvidia-smi's output, or None where it is missing or fails."""
+    try:
+        proc = subprocess.run(["nvidia-smi", *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
 def first_gpu(env: dict[str, str] | None = None) -> tuple[str, int] | None:
     """The first visible GPU's name and memory, read by nvidia-smi (NVML), so that the process
     that sizes a worker holds no CUDA context (vLLM counts another process's memory against its
-    own). None where nvidia-smi is missing or fails."""
+    own). A MIG device (``MIG-<uuid>`` in CUDA_VISIBLE_DEVICES) is read from the device
+    listing: ``--query-gpu -i`` is for GPUs, and would answer nothing for it or its whole
+    GPU, not the slice that vLLM runs on. None where nvidia-smi is missing or fails."""
     env = os.environ if env is None else env
     visible = [d.strip() for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     if "CUDA_VISIBLE_DEVICES" in env and not visible:  # set and empty: the CPU, as for torch
         return None
-    argv = ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"]
-    try:
-        proc = subprocess.run(argv + (["-i", visible[0]] if visible else []), capture_output=True, text=True,
-                              timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return parse_nvidia_smi(proc.stdout) if proc.returncode == 0 else None
+    if visible and visible[0].startswith("MIG-"):
+        listing = _nvidia_smi(["-L"])
+        return parse_mig_listing(listing, visible[0]) if listing is not None else None
+    out = _nvidia_smi(["--query-gpu=name,memory.total", "--format=csv,noheader,nounits",
+                       *(["-i", visible[0]] if visible else [])])
+    return parse_nvidia_smi(out) if out is not None else None
 
 
 @lru_cache(maxsize=1)
