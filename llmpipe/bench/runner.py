@@ -149,13 +149,14 @@ class _ModeRun:
         return server, time.monotonic() - t_start
 
     def _stop(self, plan: EnginePlan, server: Server) -> None:
-        """Stops the server; its stop seconds go on its last measured row (none: on no one's)."""
+        """Stops the server; its stop seconds go on its last measured row, else on its last
+        failed one (a server whose every point failed still says how long it took to stop)."""
         t_stop = time.monotonic()
         server.stop()
-        mine = [x for x in self.rows
-                if x["engine"] == plan.setup.key and x["mode"] == server.mode.name and "error" not in x]
-        if mine:
-            mine[-1]["stop_s"] = time.monotonic() - t_stop
+        mine = [x for x in self.rows if x["engine"] == plan.setup.key and x["mode"] == server.mode.name]
+        last = [x for x in mine if "error" not in x] or mine
+        if last:
+            last[-1]["stop_s"] = time.monotonic() - t_stop
 
     def interleaved(self, plan: EnginePlan) -> None:
         """Every mode's server up, then each (kind, load) point taken by each mode in turn."""

@@ -42,14 +42,20 @@ from llmpipe.testing.hosts.netns import available
 # pipeline, the proxies and the load generator; measured at four workers), so four workers
 # need ~0.5 core: a quarter of the 2-core machine, leaving room for its other users. At x4
 # four workers needed ~1.3 cores, and with other users taking half the machine the CPU side,
-# not the GPU workers, capped 4 workers at c=128 (2.71x, half-full batches;
-# docs/benchmarks.md, "Why 4 workers at c=128 missed").
+# not the GPU workers, capped 4 workers at c=128 (2.71x, half-full batches; that run is in
+# git's history: docs/bench/scaling/diagnosis-x4-4workers-c128.md).
 SIM_SCALE = 8.0
 FULL = {"workers": [1, 2, 4], "concurrency": [64, 128], "network_concurrency": [1, 64], "prompt_tokens": 512,
         "max_tokens": 64, "max_batch": 8, "sim_scale": SIM_SCALE, "cpu_workers": 2, "cpu_instances": 4}
+# 32 requests a point: routing's rendezvous order puts a given one of four workers first for
+# a quarter of the (fresh) prompts, so it is the first choice of none with chance (3/4)^32 ~ 1e-4.
 QUICK = {"workers": [1, 2, 4], "concurrency": [8], "network_concurrency": [1], "prompt_tokens": 32, "max_tokens": 8,
-         "max_batch": 2, "sim_scale": 1.0, "requests": 16, "network_requests": 4, "cpu_workers": 2,
+         "max_batch": 2, "sim_scale": 1.0, "requests": 32, "network_requests": 4, "cpu_workers": 2,
          "cpu_instances": 1}
+WARMUP_PROMPTS = 2  # sent as each layout starts, from the end of the list
+
+
+Point = tuple[int, int, bool]  # inference workers, concurrency, part of the network comparison
 
 
 @dataclass
@@ -73,6 +79,7 @@ class ScalingOptions:
     quick: bool = False
     prompts: list[str] = field(default_factory=list)
     measured_prompt_tokens: float = 0.0
+    sent_prompts: int = 0  # how many of ``prompts`` earlier points took
 
     def n_requests(self, c: int, network: bool = False) -> int:
         if network and self.network_requests:
@@ -80,6 +87,20 @@ class ScalingOptions:
         if self.requests:
             return self.requests
         return 20 if c == 1 else 4 * c + 16
+
+    def take_prompts(self, n: int) -> list[str]:
+        """The prompts of a point of ``n`` requests: ones no earlier point sent. Prefix-aware
+        routing remembers where each prompt went (route_prefix_ttl_s), so prompts sent again at
+        four workers would go back to the two that served them at two, and the point would
+        measure that memory, not four workers. A timed point (``n`` 0) takes them all, the
+        unsent first."""
+        start = self.sent_prompts
+        if not n:
+            return self.prompts[start:] + self.prompts[:start]
+        if start + n > len(self.prompts) - WARMUP_PROMPTS:
+            raise ValueError(f"{n} more prompts wanted, {len(self.prompts) - WARMUP_PROMPTS - start} unsent")
+        self.sent_prompts += n
+        return self.prompts[start:start + n]
 
     @property
     def cost(self) -> SimulatedGpuCost:
@@ -145,7 +166,7 @@ def measure(hp, o: ScalingOptions, layout: str, workers: int, c: int, network: b
     sampler = CpuSampler({**hp.cpu_groups(), "loadgen": [self_pid()]}).start()
     client = JobsClient(hp.api_url, o.max_tokens, job_timeout_s=o.request_timeout_s)
     samples = hp.hosts.call(hp.placement.client, asyncio.run, run_load(
-        client, o.prompts, requests=n, concurrency=c, duration_s=o.duration_s, timeout_s=o.request_timeout_s,
+        client, o.take_prompts(n), requests=n, concurrency=c, duration_s=o.duration_s, timeout_s=o.request_timeout_s,
         on_done=window.on_done))
     cpu = sampler.stop()
     summary = summarize(samples, warmup, c)
@@ -160,7 +181,7 @@ def measure(hp, o: ScalingOptions, layout: str, workers: int, c: int, network: b
     return row
 
 
-def _run_layout(o: ScalingOptions, layout: str, console: Console, points: list[tuple[int, int, bool]]) -> list[dict]:
+def _run_layout(o: ScalingOptions, layout: str, console: Console, points: list[Point]) -> list[dict]:
     """Start the layout, take ``points`` (workers, concurrency, network?) in order, stop."""
     from llmpipe.testing.hosts.harness import Hosts
     from llmpipe.testing.hosts.pipeline import HostsPipeline, Placement
@@ -179,7 +200,8 @@ def _run_layout(o: ScalingOptions, layout: str, console: Console, points: list[t
             hp.wait_ready()
             # Connections and first-use costs out of the way before anything is measured.
             client = JobsClient(hp.api_url, o.max_tokens, job_timeout_s=o.request_timeout_s)
-            hosts.call(placement.client, asyncio.run, run_load(client, o.prompts[-2:], requests=2, concurrency=1,
+            hosts.call(placement.client, asyncio.run, run_load(client, o.prompts[-WARMUP_PROMPTS:],
+                                                               requests=WARMUP_PROMPTS, concurrency=1,
                                                                timeout_s=o.request_timeout_s))
         console.print(f"{layout}: {len(placement.names)} host(s) up in {time.monotonic() - t0:.0f} s; logs in {base / 'logs'}")
         for workers, c, network in points:
@@ -195,15 +217,8 @@ def _run_layout(o: ScalingOptions, layout: str, console: Console, points: list[t
     return rows
 
 
-def run_scaling(o: ScalingOptions, console: Console) -> list[dict]:
-    # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the hosts are torn down; a
-    # second one (timeout(1) forwards its own) must not cut that tear-down short.
-    def on_sigterm(*_):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        sys.exit(143)
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, on_sigterm)
+def plan(o: ScalingOptions) -> list[tuple[str, list[Point]]]:
+    """Each layout and its points, in the order they run."""
     workers = sorted(set(o.workers))
     spread = [(w, c, False) for w in workers for c in o.concurrency]
     # The network comparison uses one worker; points the scaling run has already taken
@@ -213,9 +228,24 @@ def run_scaling(o: ScalingOptions, console: Console) -> list[dict]:
                                                            if c not in o.concurrency]
     else:
         spread = [(1, c, True) for c in o.network_concurrency] + spread
-    rows = _run_layout(o, f"hosts-{o.hop_rtt_ms:g}ms", console, spread)
-    rows += _run_layout(o, "one-host", console, [(1, c, True) for c in o.network_concurrency])
-    return rows
+    return [(f"hosts-{o.hop_rtt_ms:g}ms", spread), ("one-host", [(1, c, True) for c in o.network_concurrency])]
+
+
+def prompts_needed(o: ScalingOptions) -> int:
+    """Prompts for every point of the plan, each its own, and the warm-up's."""
+    return sum(o.n_requests(c, network) for _, points in plan(o) for _, c, network in points) + WARMUP_PROMPTS
+
+
+def run_scaling(o: ScalingOptions, console: Console) -> list[dict]:
+    # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C, so the hosts are torn down; a
+    # second one (timeout(1) forwards its own) must not cut that tear-down short.
+    def on_sigterm(*_):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.exit(143)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, on_sigterm)
+    return [row for layout, points in plan(o) for row in _run_layout(o, layout, console, points)]
 
 
 def conditions_text(o: ScalingOptions) -> str:
@@ -233,8 +263,9 @@ def conditions_text(o: ScalingOptions) -> str:
             f"inference worker and the load generator on their own; every path between two hosts (API->Redis, "
             f"workers->Redis, client->API) goes through a TCP proxy that adds {o.hop_rtt_ms / 2:g} ms each way "
             f"({o.hop_rtt_ms:g} ms per round trip). One host: every role in one namespace, no proxy. Closed loop, job "
-            f"API (POST /v1/jobs, GET ?wait=60); throughput = concurrency / mean latency of the steady requests; "
-            f"per-worker mean batch from each worker's llmpipe_batch_size_requests histogram over the steady window.")
+            f"API (POST /v1/jobs, GET ?wait=60), each point with prompts no earlier point sent; throughput = "
+            f"concurrency / mean latency of the steady requests; per-worker mean batch from each worker's "
+            f"llmpipe_batch_size_requests histogram over the steady window.")
 
 
 def _options(given: dict, quick: bool, model_path: str, tokenizer) -> ScalingOptions:
@@ -252,8 +283,7 @@ def _options(given: dict, quick: bool, model_path: str, tokenizer) -> ScalingOpt
         hop_rtt_ms=given.get("hop_rtt_ms") or 20.0, requests=given.get("requests") or prof.get("requests"),
         network_requests=prof.get("network_requests"), duration_s=given.get("duration"),
         request_timeout_s=given.get("request_timeout") or 600.0, quick=quick)
-    need = sum(o.n_requests(c) for c in o.concurrency) + 64
-    o.prompts = make_prompts(tokenizer, need, o.prompt_tokens)
+    o.prompts = make_prompts(tokenizer, prompts_needed(o), o.prompt_tokens)
     o.measured_prompt_tokens = sum(count_tokens(tokenizer, p) for p in o.prompts[:20]) / min(20, len(o.prompts))
     return o
 

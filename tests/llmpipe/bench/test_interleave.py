@@ -116,3 +116,12 @@ def test_a_server_with_no_measured_row_puts_its_stop_time_on_no_other_engines_ro
     events, rows = _run(monkeypatch, tmp_path, fails_at=("vllm-serve", "completions-stream", "c=1"), earlier=earlier)
     assert ("stop", "vllm-serve") in events
     assert "stop_s" not in rows[0]
+
+
+def test_a_server_whose_every_point_failed_puts_its_stop_time_on_its_own_last_failed_row(monkeypatch, tmp_path):
+    _, rows = _run(monkeypatch, tmp_path, fails_at=("vllm-serve", "completions-stream", "c=1"))
+    failed = [x for x in rows if x["mode"] == "vllm-serve" and x["engine"] != EARLIER["engine"]]
+    assert failed and all("error" in x for x in failed)
+    assert "stop_s" in failed[-1] and not any("stop_s" in x for x in failed[:-1])
+    measured = [x for x in rows if x["mode"] == "pipeline-window50" and x["engine"] != EARLIER["engine"]]
+    assert "stop_s" in measured[-1] and "error" not in measured[-1]
