@@ -46,7 +46,8 @@ BATCHER_PENDING = Gauge("llmpipe_batcher_pending_requests", "Requests waiting in
 # Prefix-aware routing (llmpipe/routing/router.py), counted by the preprocess processes that decide.
 ROUTE_REQUESTS = Counter("llmpipe_route_requests_total", "Inference requests placed by prefix-aware routing: routed (to "
                          "the worker its prefix prefers), spilled (that worker had no room: another worker, or the shared "
-                         "queue), fallback (the shared queue without a decision).", ["model", "outcome", "match"])
+                         "queue), queued (the shared queue, behind the requests waiting there), fallback (the shared "
+                         "queue without a decision).", ["model", "outcome", "match"])
 ROUTE_WORKERS = Gauge("llmpipe_route_live_workers", "Live inference workers of a model, as routing last saw them.", ["model"],
                       multiprocess_mode="mostrecent")
 # The engine's prefix cache, per inference worker (``worker``: its node name), as vLLM counts it:

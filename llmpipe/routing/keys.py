@@ -13,6 +13,9 @@ LOAD_KEY = _PREFIX + "load"
 # hash: worker queue -> "<capacity> <block size>": the most requests it holds at once, and
 # its engine's KV-cache block size in tokens
 INFO_KEY = _PREFIX + "info"
+# hash: a model's shared queue -> interactive requests waiting there (preprocess adds one per
+# request it sends there for want of room; the workers set the true count several times a second)
+BACKLOG_KEY = _PREFIX + "backlog"
 
 
 def prefix_key(shared_queue: str, digest: str) -> str:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from llmpipe.routing.keys import INFO_KEY, LOAD_KEY, MEMBERS_KEY
+from llmpipe.jobs.lanes import Lane, queue_keys
+from llmpipe.routing.keys import BACKLOG_KEY, INFO_KEY, LOAD_KEY, MEMBERS_KEY
 from llmpipe.routing.members import RouteMember
 from tests.harness.waiting import wait_until
 
@@ -21,6 +22,25 @@ def test_a_report_renews_the_membership_and_sets_what_the_worker_holds_and_what_
     r.hincrby(LOAD_KEY, Q, 5)  # routers' estimates between two reports
     held["n"] = 0
     assert m.report(now=100.25) == 3 and int(r.hget(LOAD_KEY, Q)) == 3 and r.zscore(MEMBERS_KEY, Q) == 104.25
+
+
+def test_a_report_sets_its_models_backlog_to_the_interactive_requests_waiting_in_the_shared_queue(redis_client):
+    r = redis_client
+    interactive, batch = queue_keys("inference", Lane.INTERACTIVE), queue_keys("inference", Lane.BATCH)
+    r.lpush(interactive[0], "i1", "i2")
+    r.lpush(batch[-1], "b1")  # the batch lane waits by design: it holds no request back
+    r.lpush(Q, "m1")  # its own queue's: the worker takes those itself
+    m = RouteMember(r, Q, capacity=64, block_size=128, ttl_s=4.0, held=lambda: 0, queue_keys=[Q], shared="inference",
+                    shared_keys=interactive)
+    assert m.report(now=100.0) == 1
+    assert int(r.hget(BACKLOG_KEY, "inference")) == 2
+    # RabbitMQ counts the shared queue itself (the caller's count)
+    m = RouteMember(r, Q, capacity=64, block_size=128, ttl_s=4.0, held=lambda: 0, shared="inference", waiting=lambda: 7)
+    m.report(now=100.25)
+    assert int(r.hget(BACKLOG_KEY, "inference")) == 7
+    # a member that reports no shared queue leaves the backlog as it is
+    RouteMember(r, Q, capacity=64, block_size=128, ttl_s=4.0, held=lambda: 0).report(now=100.5)
+    assert int(r.hget(BACKLOG_KEY, "inference")) == 7
 
 
 def test_leaving_removes_the_worker_at_once(redis_client):

@@ -1,6 +1,6 @@
 """Prefix-aware routing (llmpipe/routing/router.py) on a real Redis, with the time passed in
 (the scripts' injectable clock) instead of slept: placement by prefix, bounded loads, spills,
-dead workers and the single-worker case."""
+dead workers, the single-worker case and a backlog in the shared queue."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import hashlib
 
 import pytest
 
-from llmpipe.routing.keys import LOAD_KEY, prefix_key
+from llmpipe.jobs.lanes import Lane, queue_keys
+from llmpipe.routing.keys import BACKLOG_KEY, LOAD_KEY, prefix_key
 from llmpipe.routing.members import RouteMember
 from llmpipe.routing.prefix import block_hashes
-from llmpipe.routing.router import DEFAULT_BLOCK_SIZE, FALLBACK, ROUTED, SINGLE, SPILLED, Placement, PrefixRouter
+from llmpipe.routing.router import (DEFAULT_BLOCK_SIZE, FALLBACK, QUEUED, ROUTED, SINGLE, SPILLED, Placement,
+                                    PrefixRouter)
 from llmpipe.stages import worker_queue
 
 SHARED = "inference"
@@ -123,6 +125,33 @@ def test_a_full_worker_is_skipped_and_when_all_are_full_the_shared_queue_takes_i
     assert router.place(SHARED, prompt(2, 1), now=100.6).queue == B
     # B holds 2 now (routed): both are at their capacity
     assert router.place(SHARED, prompt(3, 1), now=100.7) == Placement(None, SPILLED, "none", 2)
+
+
+def test_once_none_had_room_the_next_requests_wait_behind_in_the_shared_queue_until_it_drains(router, redis_client):
+    member(redis_client, A, held=2, capacity=2)
+    member(redis_client, B, held=1, capacity=2)
+    assert router.place(SHARED, prompt(1, 1), now=100.5).queue == B
+    assert router.place(SHARED, prompt(2, 1), now=100.6) == Placement(None, SPILLED, "none", 2)
+    assert int(redis_client.hget(BACKLOG_KEY, SHARED)) == 1
+    # A has room again, but a request waits in the shared queue: the next one joins it there,
+    # where the workers take them in order, instead of overtaking it through A's own queue
+    member(redis_client, A, held=0, capacity=2, now=100.7)
+    assert router.place(SHARED, prompt(3, 1), now=100.8) == Placement(None, QUEUED, "none", 2)
+    assert int(redis_client.hget(BACKLOG_KEY, SHARED)) == 2
+    # a worker took them: its report sets the backlog to what waits there, none
+    RouteMember(redis_client, A, capacity=2, block_size=BS, ttl_s=TTL, held=lambda: 2, shared=SHARED,
+                shared_keys=queue_keys(SHARED, Lane.INTERACTIVE)).report(now=100.9)
+    assert int(redis_client.hget(BACKLOG_KEY, SHARED)) == 0
+    member(redis_client, A, held=0, capacity=2, now=101.0)
+    member(redis_client, B, held=0, capacity=2, now=101.0)
+    assert router.place(SHARED, prompt(4, 1), now=101.1).outcome == ROUTED
+
+
+def test_a_backlog_of_another_model_does_not_hold_this_ones_routing(router, redis_client):
+    member(redis_client, A)
+    member(redis_client, B)
+    redis_client.hset(BACKLOG_KEY, "inference.other", 5)
+    assert router.place(SHARED, prompt(1, 1), now=100.5).outcome == ROUTED
 
 
 def test_a_dead_worker_is_never_chosen_and_its_prefixes_move_to_the_living(router, redis_client):
