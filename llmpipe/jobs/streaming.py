@@ -2,7 +2,9 @@
 
 The engine calls ``on_tokens`` from its own thread for every step; that must stay cheap,
 so the publisher only records the newest ids and a background thread writes the deltas
-in one pipelined round trip per flush. Streaming requests flush every ``flush_s``; the
+in one pipelined round trip per flush. That thread writes every entry of a request, its
+last one too (``finish`` waits for it), and flushes never overlap: a request's entries
+reach Redis in order, and all of them before ``finish`` returns. Streaming requests flush every ``flush_s``; the
 others every ``partial_every_s``, which is enough for ``GET /v1/jobs/{id}`` to show the
 text produced so far.
 
@@ -34,6 +36,9 @@ log = logging.getLogger("llmpipe.jobs.streaming")
 
 
 STREAM_TTL_S = 900  # a job's token stream outlives its last write by this long
+# ``finish`` waits this long at most for the publisher's thread to write the request's last
+# entry (a Redis client's own timeouts end a write sooner), then writes it itself.
+FINISH_WAIT_S = 10.0
 
 
 def stream_key(job_id: str) -> str:
@@ -58,6 +63,7 @@ class _Tracked:
     done: bool = False
     parse: Any = None  # a ParsedStream (llmpipe/parsing/streams.py) when the output is parsed here
     stop_terminated: bool = False  # (at the end) the last id stopped the output
+    written: threading.Event = field(default_factory=threading.Event)  # (once done) its last entry is in Redis
 
 
 class TokenPublisher:
@@ -69,7 +75,8 @@ class TokenPublisher:
         self.ttl_s = ttl_s
         self.maxlen = maxlen
         self._clock = clock
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the tracked requests
+        self._writing = threading.Lock()  # one flush at a time: entries reach Redis in the order taken
         self._tracked: dict[str, _Tracked] = {}
         self._stop = threading.Event()
         self._work = threading.Event()  # set by register: the loop sleeps while nothing is tracked
@@ -96,7 +103,9 @@ class TokenPublisher:
 
     def finish(self, request_id: str, final_ids: list[int] | None = None, *, stop_terminated: bool = False) -> None:
         """``stop_terminated``: the output ended at a stop token or EOS (its last id), whose
-        text a parsed output leaves out."""
+        text a parsed output leaves out. Returns once the request's last entry is in Redis:
+        the job's end marker, written after this returns (llmpipe/jobs/store.py), must follow
+        it, or a reader that stops at the marker misses the end of the output."""
         with self._lock:
             t = self._tracked.get(request_id)
             if t is None:
@@ -111,11 +120,28 @@ class TokenPublisher:
                 t.ids = final_ids
             t.done = True
             t.stop_terminated = stop_terminated
-        self.flush(force=True)
+        # The thread writes it: had this thread written it, a flush the thread had under
+        # way could land an earlier entry after it (and after the end marker).
+        self._work.set()
+        if not (self._thread.is_alive() and t.written.wait(FINISH_WAIT_S)):
+            log.warning("the publisher's thread did not write request %s's last entry; writing it here", request_id)
+            self.flush(force=True)
 
     def flush(self, force: bool = False) -> int:
+        with self._writing:
+            entries, ended = self._take(force)
+            try:
+                if entries:
+                    self._write(entries)
+            finally:
+                for t in ended:
+                    t.written.set()
+        return len(entries)
+
+    def _take(self, force: bool) -> tuple[list[tuple[str, dict]], list[_Tracked]]:
+        """The entries due now, and the requests that end with them (no longer tracked)."""
         now = self._clock()
-        entries = []
+        entries, ended = [], []
         with self._lock:
             for rid, t in list(self._tracked.items()):
                 due = (force or t.done or (t.stream and not t.published)
@@ -127,8 +153,10 @@ class TokenPublisher:
                         t.last_flush = now
                 if t.done:
                     del self._tracked[rid]
-        if not entries:
-            return 0
+                    ended.append(t)
+        return entries, ended
+
+    def _write(self, entries: list[tuple[str, dict]]) -> None:
         try:
             pipe = self.r.pipeline(transaction=False)
             for job_id, fields in entries:
@@ -138,7 +166,6 @@ class TokenPublisher:
             pipe.execute()
         except Exception:  # partial output is best effort; the result still comes via the chord
             log.warning("could not publish partial output", exc_info=True)
-        return len(entries)
 
     def _entry(self, t: _Tracked) -> dict | None:
         """The next entry of ``t`` (None: nothing new to publish yet); moves ``t.published``."""
@@ -165,12 +192,10 @@ class TokenPublisher:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            if not self._tracked:  # idle: no wake-up every flush_s
-                self._work.wait(1.0)
-                self._work.clear()
-                continue
-            # Every flush_s, or at once when a stream's first tokens came (on_tokens).
-            self._work.wait(self.flush_s)
+            # Every flush_s, or at once when a stream's first tokens came (on_tokens) or a
+            # request ended (finish); idle, no wake-up every flush_s. What was asked before
+            # the clear, the flush after it sees: no wake-up is lost.
+            self._work.wait(self.flush_s if self._tracked else 1.0)
             self._work.clear()
             self.flush()
 
