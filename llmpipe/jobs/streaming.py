@@ -225,7 +225,8 @@ def apply_entries(entries: list[tuple[Any, dict]], ids_by_index: dict[int, list[
     Entries carry their offset, so a replayed entry adds nothing."""
     new: dict[int, list[int]] = {}
     for _, fields in entries:
-        f = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v) for k, v in fields.items()}
+        f = {(k.decode() if isinstance(k, bytes) else k): (v.decode() if isinstance(v, bytes) else v)
+             for k, v in fields.items()}
         if "i" not in f:
             continue  # the job's end marker
         i, off, delta = int(f["i"]), int(f["o"]), json.loads(f["d"])
