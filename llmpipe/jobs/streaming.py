@@ -4,9 +4,9 @@ The engine calls ``on_tokens`` from its own thread for every step; that must sta
 so the publisher only records the newest ids and a background thread writes the deltas
 in one pipelined round trip per flush. That thread writes every entry of a request, its
 last one too (``finish`` waits for it), and flushes never overlap: a request's entries
-reach Redis in order, and all of them before ``finish`` returns. Streaming requests flush every ``flush_s``; the
-others every ``partial_every_s``, which is enough for ``GET /v1/jobs/{id}`` to show the
-text produced so far.
+reach Redis in order, and all of them before ``finish`` returns. Streaming requests flush
+every ``flush_s``; the others every ``partial_every_s``, which is enough for
+``GET /v1/jobs/{id}`` to show the text produced so far.
 
 Entry fields: ``i`` prompt index, ``o`` offset of the first id in ``d``, ``d`` the new
 token ids as JSON. A streaming job's last entry is its end marker, ``e`` (the job's terminal
