@@ -1,7 +1,8 @@
 """A process that vLLM spawns (its engine core, its executor workers) imports vLLM with the
 garbage collector off (llmpipe/engines/vllm_core_guard.py): the guard's module, which the
 child imports first as it unpickles its start function, pauses the collector, and the start
-functions turn it back on. Real spawned processes, no vLLM."""
+functions turn it back on. Once a start function ends, the heap is frozen, so that the
+interpreter's exit does not sweep it. Real spawned processes, no vLLM."""
 
 from __future__ import annotations
 
@@ -69,6 +70,43 @@ def test_each_start_function_turns_the_collector_back_on(monkeypatch, collector_
     monkeypatch.setitem(vllm_core_guard._originals, start, lambda: seen.append(gc.isenabled()))
     monkeypatch.setattr(vllm_core_guard, "die_with_parent_process", lambda: None)
     monkeypatch.setattr(vllm_core_guard, "_install_for_workers", lambda: None)
+    monkeypatch.setattr(vllm_core_guard, "skip_the_sweep_at_exit", lambda: None)
     gc.disable()
     getattr(vllm_core_guard, start)()
     assert seen == [True]
+
+
+@pytest.fixture
+def unfrozen():
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
+class EngineFailed(Exception):
+    pass
+
+
+def _fail():
+    raise EngineFailed
+
+
+@pytest.mark.parametrize("start,module,cls", [("run_engine_core", "vllm.v1.engine.core", "EngineCoreProc"),
+                                               ("worker_main", "vllm.v1.executor.multiproc_executor", "WorkerProc")])
+@pytest.mark.parametrize("how", ["returns", "raises"])
+def test_once_the_start_function_ends_the_heap_is_frozen_for_the_exit(monkeypatch, unfrozen, start, module, cls, how):
+    # The process only exits after vLLM's start function, and the interpreter's exit sweeps
+    # what is not frozen: nothing is frozen while vLLM runs, everything once it is done.
+    seen = []
+    monkeypatch.setitem(sys.modules, module, types.SimpleNamespace(**{cls: object}))
+    monkeypatch.setitem(vllm_core_guard._originals, start,
+                        lambda: seen.append(gc.get_freeze_count()) if how == "returns" else _fail())
+    monkeypatch.setattr(vllm_core_guard, "die_with_parent_process", lambda: None)
+    monkeypatch.setattr(vllm_core_guard, "_install_for_workers", lambda: None)
+    if how == "returns":
+        getattr(vllm_core_guard, start)()
+        assert seen == [0]
+    else:
+        with pytest.raises(EngineFailed):
+            getattr(vllm_core_guard, start)()
+    assert gc.get_freeze_count() > 0
