@@ -66,6 +66,20 @@ def test_the_report_states_both_figures_and_a_skipped_broker():
     assert quick(MultiOptions()).brokers == ("redis",)
 
 
+def test_the_quick_profile_states_its_settings_and_environment_in_both_figures():
+    o = quick(MultiOptions())
+    assert o.env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    point = {"condition": "shared queue", "summary": {"output_tok_s": 1.0}, "hit_rate": {}, "routes": {}}
+    result = {"meta": {}, "options": vars(o),
+              "routing": {"points": [point], "ratio_routed_to_shared": {}, "kv_cache_gib": 1.0, "kv_cache_tokens": None,
+                          "prefix_set_tokens": 512, "goals": {"ttft_p50": "-", "output_tok_s": "-"}},
+              "failover": [{"broker": "rabbitmq", "skipped": "not asked"}]}
+    md = markdown(result)
+    said = "dtype=float32, enforce_eager=True, VLLM_ENABLE_V1_MULTIPROCESSING=0"
+    assert f"GiB; on {said}." in md and f"`llmpipe up --inference-workers 2` on {said}," in md
+    assert "shipped defaults" not in md
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
