@@ -160,12 +160,14 @@ def sentinel(tmp_path_factory):
     try:
         end = time.monotonic() + 20
         while True:
+            # The sentinel names the master from its file, before the master may listen:
+            # both must answer (a first command once met only the sentinel, under load).
             try:
-                if redis.Redis(port=sport).sentinel_get_master_addr_by_name("pipe"):
+                if redis.Redis(port=sport).sentinel_get_master_addr_by_name("pipe") and redis.Redis(port=mport).ping():
                     break
             except redis.ConnectionError:
                 pass
-            assert time.monotonic() < end, "the sentinel did not start"
+            assert time.monotonic() < end, "the sentinel or its master did not start"
             time.sleep(0.05)
         yield url, mport
     finally:
