@@ -13,7 +13,8 @@ import os
 TEST_ENGINE = {"dtype": "float32", "enforce_eager": True}
 TEST_ENGINE_ENV = {"LLMPIPE_DTYPE": "float32", "LLMPIPE_ENFORCE_EAGER": "true"}
 
-# vLLM on CPU in tests: in-process engine core (fast start), a small KV cache, loopback.
+# vLLM on CPU in tests: the executor in the engine-core process (no third process importing vLLM, a faster
+# start), a small KV cache, loopback.
 TEST_VLLM_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_CPU_KVCACHE_SPACE": "1",
