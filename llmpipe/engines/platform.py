@@ -23,7 +23,13 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from llmpipe.engines.vllm_args import SETTING_ALIASES, SKIP_TOKENIZER_INIT, EngineArgError, convert_engine_args
+from llmpipe.engines.vllm_args import (
+    ALIAS_TYPES,
+    SETTING_ALIASES,
+    SKIP_TOKENIZER_INIT,
+    EngineArgError,
+    convert_engine_args,
+)
 from llmpipe.settings import EngineKind, Settings
 
 
@@ -186,17 +192,19 @@ _SECRETS = ("flower_password", "api_keys")
 
 def check_engine_args(s: Settings) -> None:
     """Raise EngineArgError for engine arguments that cannot work (before anything starts).
-    Imports vLLM only when there are some to check."""
+    Imports vLLM only when there are engine arguments to check: the settings that are engine
+    arguments too are checked against vLLM's types in ALIAS_TYPES."""
     kind = EngineKind(s.engine)
     if s.engine_args and kind is not EngineKind.VLLM:
         raise EngineArgError(f"engine arguments ({', '.join(sorted(s.engine_args))}) are vLLM's; "
                              f"the {kind.value} engine takes none")
-    # The settings that are engine arguments too (dtype, ...) are checked the same way,
-    # when given (a default, such as max_logprobs' 20, is one vLLM takes).
+    # The settings that are engine arguments too (dtype, ...) are checked when given (a
+    # default, such as max_logprobs' 20, is one vLLM takes).
     given = {k: getattr(s, k) for k in SETTING_ALIASES
              if getattr(s, k) is not None and getattr(s, k) != Settings.model_fields[k].default}
-    if kind is EngineKind.VLLM and (s.engine_args or given):
-        convert_engine_args({**given, **s.engine_args})
+    if kind is EngineKind.VLLM:
+        convert_engine_args(given, ALIAS_TYPES)
+        convert_engine_args(s.engine_args)
 
 
 def describe_config(s: Settings, platform: Platform | None = None) -> str:

