@@ -26,6 +26,9 @@ if root_is_expected(get_settings().allow_root):
 # Tasks requeue a message whose next stage the broker refused (llmpipe/broker/requeue.py),
 # and reach their worker process's context as self.ctx (workers/stage_task.py). By string:
 # this module imports nothing from workers. A single inference worker's own queue is
-# declared as llmpipe/broker/worker_queues.py says, by whoever names it first.
-app = Celery("llmpipe", task_cls="workers.stage_task:StageTask", amqp="llmpipe.broker.worker_queues:AMQP")
+# declared as llmpipe/broker/worker_queues.py says, by whoever names it first. Task events
+# go out from a thread of each process, so no hop waits for them
+# (llmpipe/observability/task_events.py).
+app = Celery("llmpipe", task_cls="workers.stage_task:StageTask", amqp="llmpipe.broker.worker_queues:AMQP",
+             events="llmpipe.observability.task_events:Events")
 app.config_from_object("celeryconfig")

@@ -1,1 +1,2 @@
-"""Metrics, readiness, log summaries and the start-up heap of long-lived processes."""
+"""Metrics, readiness, log summaries, the start-up heap of long-lived processes, and the
+sender of Celery's task events."""

@@ -1,0 +1,101 @@
+"""The task events' background sender (llmpipe/observability/task_events.py), on the session's
+real Redis: events go out in order, ``close`` waits for them, a send does not wait for the
+broker (where Celery's own dispatcher does), and an event the broker refused goes back to
+its dispatcher's outbound buffer."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+
+import pytest
+import redis
+from celery import Celery
+from celery.events.dispatcher import EventDispatcher
+from kombu import Connection
+
+from llmpipe.observability.task_events import EventSender, Events
+
+PAUSE_MS = 1500
+
+
+@pytest.fixture
+def app(redis_url):
+    a = Celery("events-test", broker=redis_url, events=Events)
+    yield a
+    a.close()
+
+
+@pytest.fixture
+def events_seen(redis_client):
+    """A subscriber to every event channel; ``read(n)``: the uuids of the next ``n`` events."""
+    sub = redis_client.pubsub()
+    sub.psubscribe("*celeryev*")
+    sub.get_message(timeout=5)  # the subscription's confirmation
+
+    def read(n: int, timeout: float = 10.0) -> list[str]:
+        got, end = [], time.monotonic() + timeout
+        while len(got) < n and time.monotonic() < end:
+            m = sub.get_message(timeout=0.5)
+            if m and m["type"] == "pmessage":
+                body = json.loads(m["data"])["body"]
+                got.append(json.loads(_decoded(body))["uuid"])
+        return got
+
+    yield read
+    sub.close()
+
+
+def _decoded(body: str) -> str:
+    return base64.b64decode(body).decode()
+
+
+def _dispatcher(app, cls=None) -> EventDispatcher:
+    conn = app.connection_for_write()
+    if cls is None:
+        return app.events.Dispatcher(conn, hostname="test@host")
+    return cls(conn, hostname="test@host", app=app)
+
+
+def test_events_go_out_in_order_and_close_waits_for_them(app, events_seen):
+    d = _dispatcher(app)
+    for i in range(50):
+        d.send("task-succeeded", uuid=f"t{i}")
+    d.close()
+    assert events_seen(50) == [f"t{i}" for i in range(50)]
+
+
+def _sends_while_paused(d: EventDispatcher, r: redis.Redis) -> float:
+    """Seconds that ten sends take while Redis holds every write for PAUSE_MS."""
+    r.execute_command("CLIENT", "PAUSE", PAUSE_MS, "WRITE")
+    t0 = time.monotonic()
+    for i in range(10):
+        d.send("task-succeeded", uuid=f"p{i}")
+    return time.monotonic() - t0
+
+
+def test_a_send_does_not_wait_for_the_broker_where_celerys_own_dispatcher_does(app, events_seen, redis_client):
+    d = _dispatcher(app)
+    d.send("task-succeeded", uuid="warm")  # the sender's connection is made
+    assert events_seen(1) == ["warm"]
+    assert _sends_while_paused(d, redis_client) < 0.3 * PAUSE_MS / 1000
+    d.close()  # returns once Redis took them, after the pause
+    assert events_seen(10) == [f"p{i}" for i in range(10)]
+
+    plain = _dispatcher(app, EventDispatcher)
+    plain.send("task-succeeded", uuid="warm2")
+    assert events_seen(1) == ["warm2"]
+    assert _sends_while_paused(plain, redis_client) >= 0.5 * PAUSE_MS / 1000
+    plain.close()
+    assert events_seen(10) == [f"p{i}" for i in range(10)]
+
+
+def test_an_event_the_broker_refused_goes_back_to_the_outbound_buffer(app):
+    d = _dispatcher(app)
+    sender = EventSender(lambda: Connection("redis://127.0.0.1:1/0", connect_timeout=1))
+    event = {"type": "task-succeeded", "uuid": "lost"}
+    sender.put(d, event, "task.succeeded")
+    assert sender.drain()
+    assert list(d._outbound_buffer) == [(event, "task.succeeded")]
+    d.close()
