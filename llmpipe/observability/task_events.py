@@ -9,9 +9,9 @@ to the Celery app) hand each event to one sender thread per process, which publi
 in order on a connection of its own; the caller goes on at once.
 
 Events stay what they are in Celery: best effort, in order, with the same fields and clock.
-An event the sender cannot publish goes back to its dispatcher's outbound buffer when the
-dispatcher buffers while offline (Celery's ``buffer_while_offline``: its next flush sends
-it again), else it is dropped with a log line. ``close`` returns once the sender has
+An event the sender cannot publish, even once more on a new connection, goes back to its
+dispatcher's outbound buffer when the dispatcher buffers while offline (Celery's
+``buffer_while_offline``: its next flush sends it again), else it is dropped with a log line. ``close`` returns once the sender has
 published (or given up on) every event handed over before it, so a worker's
 ``worker-offline`` still goes out as it stops.
 """
@@ -42,6 +42,7 @@ class EventSender:
         self._connect = connect
         self._queue: queue.Queue = queue.Queue(max_pending)
         self._dropping = False  # warned of a full queue; again only after it took one
+        self._conn = self._producer = None  # the sender thread's own
         self._thread = threading.Thread(target=self._run, name="llmpipe-task-events", daemon=True)
         self._thread.start()
 
@@ -64,22 +65,35 @@ class EventSender:
         return done.wait(timeout)
 
     def _run(self) -> None:
-        conn = producer = None
         while True:
             dispatcher, event, routing_key = self._queue.get()
             if dispatcher is None:  # a drain's mark: everything before it is out
                 event.set()
                 continue
+            self._publish(dispatcher, event, routing_key)
+
+    def _publish(self, dispatcher: EventDispatcher, event: Any, routing_key: str) -> None:
+        """Sends one event; on an error, once more on a new connection (the broker may have
+        restarted, or closed a connection that stayed quiet), then gives it back."""
+        for attempt in (1, 2):
             try:
-                if producer is None:
-                    conn = self._connect()
-                    producer = Producer(conn, auto_declare=False)
-                _send(producer, dispatcher, event, routing_key)
+                if self._producer is None:
+                    self._conn = self._connect()
+                    self._producer = Producer(self._conn, auto_declare=False)
+                _send(self._producer, dispatcher, event, routing_key)
+                return
             except Exception as exc:
-                _gave_up(dispatcher, event, routing_key, exc)
-                if conn is not None:  # a new connection for the next event
-                    conn.close()
-                conn = producer = None
+                self._reset()
+                if attempt == 2:
+                    _gave_up(dispatcher, event, routing_key, exc)
+
+    def _reset(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except Exception:  # a broken connection may fail to close: it is dropped anyway
+                log.debug("task events: closing a broken connection failed", exc_info=True)
+        self._conn = self._producer = None
 
 
 def _send(producer: Producer, d: EventDispatcher, event: Any, routing_key: str) -> None:

@@ -1,7 +1,8 @@
 """The task events' background sender (llmpipe/observability/task_events.py), on the session's
 real Redis: events go out in order, ``close`` waits for them, a send does not wait for the
-broker (where Celery's own dispatcher does), and an event the broker refused goes back to
-its dispatcher's outbound buffer."""
+broker (where Celery's own dispatcher does), an event that met a broken connection goes out
+on a new one, and one the broker refused twice goes back to its dispatcher's outbound
+buffer."""
 
 from __future__ import annotations
 
@@ -91,11 +92,27 @@ def test_a_send_does_not_wait_for_the_broker_where_celerys_own_dispatcher_does(a
     assert events_seen(10) == [f"p{i}" for i in range(10)]
 
 
-def test_an_event_the_broker_refused_goes_back_to_the_outbound_buffer(app):
+def _dead() -> Connection:
+    """A connection to a port nobody listens on, that fails at once."""
+    return Connection("redis://127.0.0.1:1/0", connect_timeout=1, transport_options={"max_retries": 0})
+
+
+def test_an_event_the_broker_refused_twice_goes_back_to_the_outbound_buffer(app):
     d = _dispatcher(app)
-    sender = EventSender(lambda: Connection("redis://127.0.0.1:1/0", connect_timeout=1))
+    tried = []
+    sender = EventSender(lambda: tried.append(1) or _dead())
     event = {"type": "task-succeeded", "uuid": "lost"}
     sender.put(d, event, "task.succeeded")
     assert sender.drain()
-    assert list(d._outbound_buffer) == [(event, "task.succeeded")]
+    assert list(d._outbound_buffer) == [(event, "task.succeeded")] and len(tried) == 2
+    d.close()
+
+
+def test_an_event_that_met_a_broken_connection_goes_out_on_a_new_one(app, events_seen):
+    d = _dispatcher(app)
+    connections = iter([_dead(), app.connection_for_write()])
+    sender = EventSender(lambda: next(connections))
+    sender.put(d, d._prepare_event("task-succeeded", {"uuid": "again"}), "task.succeeded")
+    assert sender.drain()
+    assert events_seen(1) == ["again"] and not d._outbound_buffer
     d.close()
