@@ -11,9 +11,9 @@ in order on a connection of its own; the caller goes on at once.
 Events stay what they are in Celery: best effort, in order, with the same fields and clock.
 An event the sender cannot publish, even once more on a new connection, goes back to its
 dispatcher's outbound buffer when the dispatcher buffers while offline (Celery's
-``buffer_while_offline``: its next flush sends it again), else it is dropped with a log line. ``close`` returns once the sender has
-published (or given up on) every event handed over before it, so a worker's
-``worker-offline`` still goes out as it stops.
+``buffer_while_offline``: its next flush sends it again), else it is dropped with a log
+line. ``close`` returns once the sender has published (or given up on) every event handed
+over before it, so a worker's ``worker-offline`` still goes out as it stops.
 """
 
 from __future__ import annotations
