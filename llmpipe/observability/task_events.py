@@ -31,6 +31,9 @@ from kombu import Producer
 log = logging.getLogger("llmpipe.observability.task_events")
 
 CLOSE_WAIT_S = 5.0  # how long close() waits for the events handed over before it
+# The sender's connection does not retry a broker that is down: its events go back at once,
+# and a dispatcher that a lost connection closes (its worker reconnecting) is not held up.
+FAIL_FAST = {"max_retries": 0}
 MAX_PENDING = 10_000  # events waiting for the sender; beyond it new ones are dropped
 
 
@@ -129,7 +132,7 @@ def sender_for(app) -> EventSender:
     key = (os.getpid(), id(app))
     with _senders_lock:
         if key not in _senders:
-            _senders[key] = EventSender(app.connection_for_write)
+            _senders[key] = EventSender(lambda: app.connection_for_write(transport_options=FAIL_FAST))
         return _senders[key]
 
 
