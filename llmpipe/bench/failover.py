@@ -101,7 +101,8 @@ def failover(o: Any, broker: str, broker_url: str | None, state: Path, console: 
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(o.model, Settings().models_dir, progress=False))
     console.print(f"[bold]failover[/] ({broker}): llmpipe up --inference-workers {o.workers}")
-    extra = {f"LLMPIPE_{k.upper()}": str(v).lower() if isinstance(v, bool) else str(v) for k, v in o.extra.items()}
+    given = {**o.extra, **({"kv_cache_gib": o.kv_cache_gib} if o.kv_cache_gib is not None else {})}
+    extra = {f"LLMPIPE_{k.upper()}": str(v).lower() if isinstance(v, bool) else str(v) for k, v in given.items()}
     proc, port, server, _ = start_up(o.model, o.workers, state, broker_url, {**extra, **o.env})
     try:
         r = redis.Redis.from_url(server.url)
@@ -126,7 +127,7 @@ def failover(o: Any, broker: str, broker_url: str | None, state: Path, console: 
     return {"broker": broker, "jobs": len(recs), "succeeded": statuses.count("succeeded"), "held_at_kill": held,
             "kill_to_last_done_s": round(kill_s, 2), "control_last_done_s": round(control_s, 2),
             "added_by_failover_s": round(kill_s - control_s, 2), "workers": o.workers,
-            "max_tokens": o.failover_max_tokens, "settings": {**o.extra, **o.env} or "the shipped defaults",
+            "max_tokens": o.failover_max_tokens, "settings": {**given, **o.env} or "the shipped defaults",
             "goal_s": 6.0}
 
 

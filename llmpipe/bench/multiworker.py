@@ -289,10 +289,12 @@ def quick(o: MultiOptions) -> MultiOptions:
     """The smoke profile: the tiny model on float32 and eager, with vLLM's executor in its
     engine-core process (VLLM_ENABLE_V1_MULTIPROCESSING=0: two processes import vLLM for an
     engine instead of three, and it starts in ~9 s here instead of ~20 s; the tiny model
-    serves no slower so), a handful of requests, Redis only."""
-    return MultiOptions(model="tiny", workers=o.workers, prefixes=2, prefix_tokens=256, question_tokens=16,
-                        max_tokens=8, concurrency=2, requests=8, warmup=2, failover_jobs=8, failover_max_tokens=16,
-                        brokers=("redis",), parts=o.parts, request_timeout_s=120.0,
+    serves no slower so), a quarter-GiB KV cache unless one is given (32k tokens of the tiny
+    model; vLLM zeroes the cache as it starts), a handful of requests, Redis only."""
+    kv = o.kv_cache_gib if o.kv_cache_gib is not None else 0.25
+    return MultiOptions(model="tiny", workers=o.workers, kv_cache_gib=kv, prefixes=2, prefix_tokens=256,
+                        question_tokens=16, max_tokens=8, concurrency=2, requests=8, warmup=2, failover_jobs=8,
+                        failover_max_tokens=16, brokers=("redis",), parts=o.parts, request_timeout_s=120.0,
                         extra={"dtype": "float32", "enforce_eager": True}, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
 
 

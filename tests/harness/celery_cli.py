@@ -31,7 +31,7 @@ class PlainCelery:
         self.flower_port = free_port()
         env = python_env({
             "LLMPIPE_REDIS_URL": redis_url, "LLMPIPE_MODEL": model, "LLMPIPE_ENGINE": "vllm",
-            "LLMPIPE_STATE_DIR": str(tmp_path), "LLMPIPE_API_PORT": str(self.api_port), "LLMPIPE_KV_CACHE_GIB": "1",
+            "LLMPIPE_STATE_DIR": str(tmp_path), "LLMPIPE_API_PORT": str(self.api_port),
             "LLMPIPE_MAX_BATCH_SIZE": "8", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1",
             "TOKENIZERS_PARALLELISM": "false", **TEST_ENGINE_ENV, **settings,
         })

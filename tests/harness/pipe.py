@@ -263,7 +263,7 @@ class Pipe:
 
 # The reliability stacks: the shipped lease and visibility settings, batches of up to 8, and
 # a watchdog that settles a job 1 s after its deadline, checked every 0.5 s.
-PIPE_DEFAULTS = dict(cpu_workers=1, max_batch_size=8, batch_window_ms=50, kv_cache_gib=1, watchdog_interval_s=0.5,
+PIPE_DEFAULTS = dict(cpu_workers=1, max_batch_size=8, batch_window_ms=50, watchdog_interval_s=0.5,
                      watchdog_grace_s=1.0, default_timeout_s=90, **TEST_ENGINE)
 
 

@@ -21,8 +21,8 @@ from tests.harness.engine import TEST_ENGINE
 from tests.harness.waiting import wait_until
 
 # What every integration pipeline runs unless a test says otherwise: one CPU process per
-# stage, batches of up to 16 gathered for 50 ms, a 1 GiB KV cache, the tests' engine.
-PIPELINE_DEFAULTS = dict(cpu_workers=1, max_batch_size=16, batch_window_ms=50, kv_cache_gib=1, **TEST_ENGINE)
+# stage, batches of up to 16 gathered for 50 ms, the tests' engine (and its KV cache).
+PIPELINE_DEFAULTS = dict(cpu_workers=1, max_batch_size=16, batch_window_ms=50, **TEST_ENGINE)
 
 
 def teardown(lp: Any, timeout: float = 30.0) -> bool:

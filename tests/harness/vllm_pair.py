@@ -17,6 +17,7 @@ import httpx
 
 from llmpipe.local.redis_server import EmbeddedRedis, free_port
 from llmpipe.local.supervisor import Supervisor, python_env
+from tests.harness.engine import KV_CACHE_GIB
 from tests.harness.stacks import start_pipeline, teardown
 
 PAIR_KEY = ("vllm-serve pair",)
@@ -26,7 +27,8 @@ PARSER_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--
                 "--trust-request-chat-template"]
 PARSERS = dict(enable_auto_tool_choice=True, tool_call_parser="hermes", reasoning_parser="qwen3",
                trust_request_chat_template=True)
-VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
+# The KV cache is the pipeline's size (tests/harness/engine.py), given as a flag: no VLLM_CPU_KVCACHE_SPACE.
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_HOST_IP": "127.0.0.1",
             "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
 
 
@@ -49,7 +51,8 @@ class Pair:
             # vLLM's server, through the version shim (it must start this way).
             self.sup.spawn("vllm-serve", [sys.executable, "-m", "llmpipe.cli.vllm", "serve", model, "--port", str(port),
                                           "--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--seed", "0",
-                                          "--max-model-len", str(MAX_LEN), "--max-num-seqs", "16", *PARSER_FLAGS],
+                                          "--max-model-len", str(MAX_LEN), "--max-num-seqs", "16", *PARSER_FLAGS,
+                                          "--kv-cache-memory-bytes", str(int(KV_CACHE_GIB * 2**30))],
                            python_env(VLLM_ENV))
             self.pipe = start_pipeline(tmp / "pipe", self.redis_server.url, model, "vllm", max_model_len=MAX_LEN,
                                        **PARSERS)

@@ -66,6 +66,11 @@ def test_the_report_states_both_figures_and_a_skipped_broker():
     assert quick(MultiOptions()).brokers == ("redis",)
 
 
+def test_the_quick_profile_takes_a_quarter_gib_kv_cache_unless_given_one():
+    assert quick(MultiOptions()).kv_cache_gib == 0.25
+    assert quick(MultiOptions(kv_cache_gib=2.0)).kv_cache_gib == 2.0
+
+
 def test_the_quick_profile_states_its_settings_and_environment_in_both_figures():
     o = quick(MultiOptions())
     assert o.env == {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -94,5 +99,6 @@ def test_bench_multiworker_quick_runs_both_figures(tmp_path):
     assert len(routed["hit_rate"]) == 2  # one per worker, also one that the routing gave nothing
     [f] = result["failover"]
     assert f["broker"] == "redis" and f["succeeded"] == f["jobs"] == 8
+    assert f["settings"]["kv_cache_gib"] == result["routing"]["kv_cache_gib"] == 0.25  # both figures' stacks
     assert abs(f["added_by_failover_s"] - (f["kill_to_last_done_s"] - f["control_last_done_s"])) <= 0.011
     assert (tmp_path / "multiworker" / "multiworker.md").read_text().startswith("# Several inference workers")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.harness.engine import KV_CACHE_GIB
 from tests.harness.shared import lends
 
 IN_PROCESS_ENGINES = ("in-process engines",)
@@ -34,7 +35,7 @@ def vllm_engine(tiny_model):
     from llmpipe.messages import SamplingParams
 
     engine = VllmEngine(
-        tiny_model, dtype="float32", max_model_len=MAX_MODEL_LEN, enforce_eager=True, kv_cache_gib=1, max_num_seqs=8, seed=0
+        tiny_model, dtype="float32", max_model_len=MAX_MODEL_LEN, enforce_eager=True, kv_cache_gib=KV_CACHE_GIB, max_num_seqs=8, seed=0
     )
     print(f"\nvLLM engine started in {engine.start_s:.1f}s")
     yield engine

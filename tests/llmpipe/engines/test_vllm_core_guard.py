@@ -46,7 +46,7 @@ def test_engine_core_dies_with_a_killed_worker(tmp_path, redis_url, tiny_model):
     env.update(TEST_ENGINE_ENV)
     env.update({
         "PYTHONPATH": str(ROOT), "LLMPIPE_REDIS_URL": redis_url, "LLMPIPE_MODEL": tiny_model,
-        "LLMPIPE_ENGINE": "vllm", "LLMPIPE_STATE_DIR": str(tmp_path), "LLMPIPE_KV_CACHE_GIB": "1",
+        "LLMPIPE_ENGINE": "vllm", "LLMPIPE_STATE_DIR": str(tmp_path),
         "LLMPIPE_MAX_BATCH_SIZE": "2", "LLMPIPE_MAX_MODEL_LEN": "512",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1",  # vLLM's default: the engine core in its own process
         "VLLM_HOST_IP": "127.0.0.1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",

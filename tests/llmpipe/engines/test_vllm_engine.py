@@ -10,6 +10,7 @@ import pytest
 from llmpipe.engines.base import EngineRequest
 from llmpipe.errors import EngineError
 from llmpipe.messages import FinishReason, SamplingParams
+from tests.harness.engine import TEST_ENGINE
 
 # Different lengths in one batch: left padding (HF) against paged attention (vLLM).
 PROMPTS = [[17], [300, 301, 302], [900 + i for i in range(9)], [40 + 7 * i for i in range(40)], list(range(100, 300))]
@@ -257,7 +258,9 @@ def test_failed_start_raises_engine_error_and_stops_its_thread(tmp_path):
 
     before = {t.ident for t in threading.enumerate()}
     with pytest.raises(EngineError):
-        VllmEngine(str(tmp_path), dtype="float32", enforce_eager=True)  # a folder with no model in it
+        # a folder with no model in it; the tests' engine settings, since the engine puts its KV
+        # cache size into this process's environment, where the next test's stacks inherit it
+        VllmEngine(str(tmp_path), **TEST_ENGINE)
     leftover = [t for t in threading.enumerate() if t.ident not in before and t.name == "vllm-engine-loop"]
     assert not leftover
 
