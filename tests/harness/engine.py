@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 
 # A quarter-GiB KV cache holds 32k tokens of the tiny model (8 KiB each in float32), more
-# than any test asks for. vLLM zeroes the cache as it starts: alone here, 1 GiB took
-# 0.5-1 s and ~1 CPU-s more per engine in the tests' mode (below), 2.2-2.5 s in vLLM's own.
+# than any test asks for. vLLM zeroes the cache as it starts: alone here, 1 GiB took about
+# 0.5 s and 0.9 CPU-s more per engine in the tests' mode (below), 2.2-2.5 s in vLLM's own.
 KV_CACHE_GIB = 0.25
 TEST_ENGINE = {"dtype": "float32", "enforce_eager": True, "kv_cache_gib": KV_CACHE_GIB}
 TEST_ENGINE_ENV = {"LLMPIPE_DTYPE": "float32", "LLMPIPE_ENFORCE_EAGER": "true",
