@@ -23,6 +23,9 @@ Keys (all optional):
 - ``batch_delay_s``: every batch sleeps this long first (so a test can kill mid-batch);
 - ``task_delay_s``: {task name: s}: a worker sleeps this long at the start of that task
   (Celery ``task_prerun``), so a test can kill a pre/postprocess worker mid-task;
+- ``hold_at_tokens``: n: once per request, right after its n-th token is handed on (to be
+  published), the engine's thread holds for the runtime delay ``tokens`` below (none when it
+  is unset), so a test can kill a worker whose requests are surely mid-output;
 - both delays can also be set while the workers run, in the Redis hash
   ``llmpipe:test:delays`` (field ``batch`` or a task name, value in seconds); such a delay
   is a hold: it ends early when the field is deleted (a test clears it at a kill);
@@ -117,6 +120,7 @@ class FaultSpec:
     die_always: str | None = None
     batch_delay_s: float = 0.0
     task_delay_s: dict[str, float] = field(default_factory=dict)
+    hold_at_tokens: int = 0
     ledger: bool = False
 
     @classmethod
@@ -193,6 +197,8 @@ class FaultInjectingEngine(Engine):
             raise RuntimeError(f"injected unexpected exception (a prompt holds {s.crash!r})")
         if has(s.poison):
             raise EngineError(f"injected engine failure (a prompt holds {s.poison!r})")
+        if s.hold_at_tokens > 0 and on_tokens is not None:
+            on_tokens = self._holding_at(s.hold_at_tokens, on_tokens)
         for marker, n in s.fail_after_tokens.items():
             if has(marker):
                 short = [EngineRequest(r.request_id, r.prompt_token_ids,
@@ -207,6 +213,20 @@ class FaultInjectingEngine(Engine):
         outs = self.inner.generate(batch, on_tokens)
         self._ledger(DONE_KEY, batch)
         return outs
+
+    def _holding_at(self, n: int, on_tokens: TokenCallback) -> TokenCallback:
+        """``on_tokens``, then the runtime hold ``tokens`` once per request at its ``n``-th
+        token. The engine calls back from its own thread, which the hold stops: every request
+        of this engine stays mid-output, its tokens so far handed on, until the test clears it."""
+        held: set[str] = set()
+
+        def call(request_id: str, ids: list[int]) -> None:
+            on_tokens(request_id, ids)
+            if len(ids) >= n and request_id not in held:
+                held.add(request_id)
+                _hold(self._r, "tokens", _runtime_delay(self._r, "tokens"))
+
+        return call
 
     def abort(self, request_ids: list[str]) -> None:
         self.inner.abort(request_ids)

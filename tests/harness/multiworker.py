@@ -19,11 +19,12 @@ SHARED = Stage.INFERENCE.value
 
 
 def start_workers_pipe(tmp_path: Path, *, model: str, workers: int = 2, engine: str = "vllm",
-                       broker_url: str | None = None, **overrides) -> Pipe:
-    """``start_pipe`` with ``workers`` inference workers of ``model`` and the engine ledger.
+                       broker_url: str | None = None, faults: dict | None = None, **overrides) -> Pipe:
+    """``start_pipe`` with ``workers`` inference workers of ``model``, the engine ledger and
+    ``faults`` (llmpipe/testing/faulty.py).
     Prefixes are hashed by blocks of 4 tokens, so that the tests' short prompts are routed
     (vLLM's own block on the CPU is 128 tokens)."""
-    return start_pipe(tmp_path, engine=engine, model=model, broker_url=broker_url, faults={"ledger": True},
+    return start_pipe(tmp_path, engine=engine, model=model, broker_url=broker_url, faults={"ledger": True, **(faults or {})},
                       inference_workers=workers, **{"route_block_size": 4, **overrides})
 
 

@@ -156,6 +156,9 @@ class Pipe:
     def clear_delays(self) -> None:
         self.r.delete(DELAYS_KEY)
 
+    def clear_delay(self, name: str) -> None:
+        self.r.hdel(DELAYS_KEY, name)
+
     def ledger(self) -> tuple[dict[str, int], dict[str, int]]:
         def load(k):
             return {a.decode(): int(b) for a, b in self.r.hgetall(k).items()}

@@ -37,15 +37,19 @@ HOLD_S = 60.0  # a hold at each batch's start, released at the kill
 
 @pytest.fixture(scope="module")
 def pipe(rel, tmp_path_factory, tiny_model, broker_url):
-    p = start_workers_pipe(tmp_path_factory.mktemp("failover"), model=tiny_model, broker_url=broker_url)
+    p = start_workers_pipe(tmp_path_factory.mktemp("failover"), model=tiny_model, broker_url=broker_url,
+                           faults={"hold_at_tokens": HOLD_AT_TOKENS})
     yield p
     rel.stop_pipe(p)
 
 
-STREAM_TOKENS = 1024
+STREAM_TOKENS = 256
+# The resume test's engines stop at a stream's HOLD_AT_TOKENS-th token until the kill. The
+# streams of one engine start up to a hold's poll (50 ms) apart, and the tiny model makes a
+# token in a few ms: at 16, the last had 1 or 2 tokens published when the first stopped.
+HOLD_AT_TOKENS = 64
 # The resume test's jobs may live this long, and the test waits as long for their streams: its
-# subject is the resume, not the deadline. On a loaded 2-core AVX2 VM the eight 1024-token
-# streams, all on the survivor after the kill, outlived the harness's 90 s default (expired).
+# subject is the resume, not the deadline.
 STREAM_TIMEOUT_S = 600.0
 
 
@@ -125,15 +129,22 @@ def test_a_stream_the_dead_worker_was_generating_resumes_on_the_other(pipe, rel)
     for c in (victim, survivor):
         _ready(pipe, rel, c)
     pipe.reset_ledger()
-    # Long enough that the victim's streams still run when the last one starts: with 192
-    # tokens the victim's two had finished (the tiny model, eager) before the survivor's six
-    # began, and it held none at the kill.
-    streams = [Stream(pipe.lp.api_url, {**body(i, "resume stream", STREAM_TOKENS), "timeout": STREAM_TIMEOUT_S})
-               for i in range(8)]
-    rel.wait_until(lambda: all(s.text for s in streams), 120, what="every stream under way")
-    rel.wait_until(lambda: routing_load(pipe, victim) >= 1, 30, what=f"{victim} generating a stream")
-    before = {s.job: s.text for s in streams}
-    pipe.kill(victim)
+    # Every stream is held at its batch's start until all eight are in the engines, so that
+    # they start together; then each engine stops at its streams' HOLD_AT_TOKENS-th token
+    # until the kill. So the victim surely dies mid-output, with text published.
+    pipe.set_delay("batch", HOLD_S)
+    pipe.set_delay("tokens", HOLD_S)
+    try:
+        streams = [Stream(pipe.lp.api_url, {**body(i, "resume stream", STREAM_TOKENS), "timeout": STREAM_TIMEOUT_S})
+                   for i in range(8)]
+        rel.wait_until(lambda: len(pipe.ledger()[0]) == len(streams), 120, what="every stream held in an engine")
+        rel.wait_until(lambda: routing_load(pipe, victim) >= 1, 30, what=f"{victim} holding a stream")
+        pipe.clear_delay("batch")
+        rel.wait_until(lambda: all(s.text for s in streams), 120, what="every stream under way")
+        before = {s.job: s.text for s in streams}
+        pipe.kill(victim)
+    finally:
+        pipe.clear_delays()
     texts = [s.join(STREAM_TIMEOUT_S) for s in streams]
     started, _ = pipe.ledger()
     resumed = [s.job for s in streams if started.get(f"{s.job}-0", 0) > 1]

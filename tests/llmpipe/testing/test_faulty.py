@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from llmpipe.testing.faulty import DELAYS_KEY, _hold, _runtime_delay
+from llmpipe.engines.base import EngineOutput, EngineRequest
+from llmpipe.engines.noop import NoopEngine
+from llmpipe.messages import FinishReason, SamplingParams
+from llmpipe.testing import faulty
+from llmpipe.testing.faulty import DELAYS_KEY, FaultInjectingEngine, FaultSpec, _hold, _runtime_delay
 
 
 class _Clock:
@@ -74,3 +78,39 @@ def test_a_failed_read_of_the_delay_is_tried_again():
 def test_no_delay_when_redis_never_answers():
     assert _runtime_delay(_FlakyRedis(10, b"2.5"), "batch") == 0.0
     assert _runtime_delay(None, "batch") == 0.0
+
+
+class _Streaming(NoopEngine):
+    """Hands each request's tokens on one at a time, as a real engine's steps do."""
+
+    def generate(self, batch, on_tokens=None):
+        for step in range(1, 5):
+            for r in batch:
+                on_tokens(r.request_id, [7] * step)
+        return [EngineOutput(r.request_id, [7] * 4, FinishReason.LENGTH) for r in batch]
+
+
+def test_each_request_holds_once_right_after_its_nth_token_is_handed_on(redis_client, monkeypatch):
+    redis_client.hset(DELAYS_KEY, "tokens", 60)
+    handed: list[tuple[str, int]] = []
+    holds: list[tuple[str, float, list]] = []
+    monkeypatch.setattr(faulty, "_hold", lambda r, name, s: holds.append((name, s, list(handed))))
+    eng = FaultInjectingEngine(_Streaming(), FaultSpec(hold_at_tokens=2), lambda ids: "", redis_client)
+    reqs = [EngineRequest(f"r{i}", [5], SamplingParams(max_tokens=4)) for i in range(2)]
+    try:
+        eng.generate(reqs, lambda rid, ids: handed.append((rid, len(ids))))
+    finally:
+        redis_client.delete(DELAYS_KEY)
+    # the batch's own hold first (none set), then one "tokens" hold per request, each right
+    # after that request's second token was handed on, and none at its later tokens
+    assert [(n, s) for n, s, _ in holds] == [("batch", 0.0), ("tokens", 60.0), ("tokens", 60.0)]
+    assert holds[1][2][-1] == ("r0", 2) and holds[2][2][-1] == ("r1", 2)
+    assert len(handed) == 8
+
+
+def test_no_token_hold_unless_asked(redis_client, monkeypatch):
+    holds: list[str] = []
+    monkeypatch.setattr(faulty, "_hold", lambda r, name, s: holds.append(name))
+    eng = FaultInjectingEngine(_Streaming(), FaultSpec(), lambda ids: "", redis_client)
+    eng.generate([EngineRequest("r0", [5], SamplingParams(max_tokens=4))], lambda rid, ids: None)
+    assert holds == ["batch"]
