@@ -127,6 +127,12 @@ def _forget_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
+def started_sender(app) -> EventSender | None:
+    """The process's sender for ``app`` if one was started, else None."""
+    with _senders_lock:
+        return _senders.get((os.getpid(), id(app)))
+
+
 def sender_for(app) -> EventSender:
     """The process's sender for ``app``, started on first use (in a forked child too)."""
     key = (os.getpid(), id(app))
@@ -146,7 +152,8 @@ class BackgroundDispatcher(EventDispatcher):
         sender_for(self.app).put(self, event, routing_key)
 
     def close(self):
-        if self.enabled and not sender_for(self.app).drain():
+        sender = started_sender(self.app)  # none: this process never sent, so nothing waits
+        if self.enabled and sender is not None and not sender.drain():
             log.warning("task events: the broker did not take the pending events within %.0f s", CLOSE_WAIT_S)
         super().close()
 

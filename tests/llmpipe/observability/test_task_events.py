@@ -16,7 +16,7 @@ from celery import Celery
 from celery.events.dispatcher import EventDispatcher
 from kombu import Connection
 
-from llmpipe.observability.task_events import EventSender, Events
+from llmpipe.observability.task_events import EventSender, Events, started_sender
 
 PAUSE_MS = 1500
 
@@ -65,6 +65,16 @@ def test_events_go_out_in_order_and_close_waits_for_them(app, events_seen):
         d.send("task-succeeded", uuid=f"t{i}")
     d.close()
     assert events_seen(50) == [f"t{i}" for i in range(50)]
+
+
+def test_a_dispatcher_that_never_sent_closes_without_starting_a_sender(app):
+    d = _dispatcher(app)
+    d.close()
+    assert started_sender(app) is None
+    d = _dispatcher(app)
+    d.send("task-succeeded", uuid="t0")
+    d.close()
+    assert started_sender(app) is not None
 
 
 def _sends_while_paused(d: EventDispatcher, r: redis.Redis) -> float:
