@@ -26,9 +26,10 @@ Keys (all optional):
 - ``hold_at_tokens``: n: once per request, right after its n-th token is handed on (to be
   published), the engine's thread holds for the runtime delay ``tokens`` below (none when it
   is unset), so a test can kill a worker whose requests are surely mid-output;
-- both delays can also be set while the workers run, in the Redis hash
-  ``llmpipe:test:delays`` (field ``batch`` or a task name, value in seconds); such a delay
-  is a hold: it ends early when the field is deleted (a test clears it at a kill);
+- both delays can also be set while the workers run, and the token hold only so, in the
+  Redis hash ``llmpipe:test:delays`` (field ``batch``, ``tokens`` or a task name, value in
+  seconds); such a delay is a hold: it ends early when the field is deleted (a test clears
+  it at a kill);
 - the field ``load`` of that hash holds an engine's load at its end (where the engine is
   wrapped), for a test that stops a worker while its engine loads; the hold goes on
   through any exception raised into it, as a real load may (a finalizer, a library's

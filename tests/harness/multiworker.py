@@ -24,8 +24,9 @@ def start_workers_pipe(tmp_path: Path, *, model: str, workers: int = 2, engine: 
     ``faults`` (llmpipe/testing/faulty.py).
     Prefixes are hashed by blocks of 4 tokens, so that the tests' short prompts are routed
     (vLLM's own block on the CPU is 128 tokens)."""
-    return start_pipe(tmp_path, engine=engine, model=model, broker_url=broker_url, faults={"ledger": True, **(faults or {})},
-                      inference_workers=workers, **{"route_block_size": 4, **overrides})
+    return start_pipe(tmp_path, engine=engine, model=model, broker_url=broker_url,
+                      faults={"ledger": True, **(faults or {})}, inference_workers=workers,
+                      **{"route_block_size": 4, **overrides})
 
 
 def inference_children(pipe: Pipe) -> list[str]:

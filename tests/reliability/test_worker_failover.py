@@ -44,9 +44,11 @@ def pipe(rel, tmp_path_factory, tiny_model, broker_url):
 
 
 STREAM_TOKENS = 256
-# The resume test's engines stop at a stream's HOLD_AT_TOKENS-th token until the kill. The
-# streams of one engine start up to a hold's poll (50 ms) apart, and the tiny model makes a
-# token in a few ms: at 16, the last had 1 or 2 tokens published when the first stopped.
+# The resume test's engines stop at a stream's HOLD_AT_TOKENS-th token until the kill, so that
+# the victim cannot finish its streams before the last stream's text reaches the test (with
+# 256 tokens and no such hold, it had once on RabbitMQ). An engine's streams run in step, but
+# their batches leave the start hold up to one poll (50 ms, a few of the tiny model's steps)
+# apart: at the first one's 64th token, the others have tokens published too.
 HOLD_AT_TOKENS = 64
 # The resume test's jobs may live this long, and the test waits as long for their streams: its
 # subject is the resume, not the deadline.
