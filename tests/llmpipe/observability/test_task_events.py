@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import time
 
 import pytest
@@ -17,8 +18,9 @@ from celery.events.dispatcher import EventDispatcher
 from kombu import Connection
 
 from llmpipe.observability.task_events import EventSender, Events, started_sender
+from tests.harness.waiting import wait_until
 
-PAUSE_MS = 1500
+PAUSE_MS = 60_000
 
 
 @pytest.fixture
@@ -77,29 +79,49 @@ def test_a_dispatcher_that_never_sent_closes_without_starting_a_sender(app):
     assert started_sender(app) is not None
 
 
-def _sends_while_paused(d: EventDispatcher, r: redis.Redis) -> float:
-    """Seconds that ten sends take while Redis holds every write for PAUSE_MS."""
+def _pause_writes(r: redis.Redis) -> None:
+    """Redis holds every write (a PUBLISH too) until ``_unpause``: far longer than a test waits."""
     r.execute_command("CLIENT", "PAUSE", PAUSE_MS, "WRITE")
-    t0 = time.monotonic()
-    for i in range(10):
-        d.send("task-succeeded", uuid=f"p{i}")
-    return time.monotonic() - t0
+
+
+def _unpause(r: redis.Redis) -> None:
+    r.execute_command("CLIENT", "UNPAUSE")
+
+
+def _held_publishes(r: redis.Redis) -> int:
+    """Clients whose PUBLISH the pause holds (blocked: flag ``b``), whatever else waits."""
+    return sum("b" in c["flags"] and c["cmd"] == "publish" for c in r.client_list())
 
 
 def test_a_send_does_not_wait_for_the_broker_where_celerys_own_dispatcher_does(app, events_seen, redis_client):
     d = _dispatcher(app)
     d.send("task-succeeded", uuid="warm")  # the sender's connection is made
     assert events_seen(1) == ["warm"]
-    assert _sends_while_paused(d, redis_client) < 0.3 * PAUSE_MS / 1000
-    d.close()  # returns once Redis took them, after the pause
+    _pause_writes(redis_client)
+    try:
+        for i in range(10):
+            d.send("task-succeeded", uuid=f"p{i}")
+        # the sends returned while the broker holds the sender's first publish
+        wait_until(lambda: _held_publishes(redis_client) == 1, 10, what="the sender's publish held by the pause")
+    finally:
+        _unpause(redis_client)
+    d.close()  # returns once Redis took them
     assert events_seen(10) == [f"p{i}" for i in range(10)]
 
     plain = _dispatcher(app, EventDispatcher)
     plain.send("task-succeeded", uuid="warm2")
     assert events_seen(1) == ["warm2"]
-    assert _sends_while_paused(plain, redis_client) >= 0.5 * PAUSE_MS / 1000
+    _pause_writes(redis_client)
+    try:
+        sending = threading.Thread(target=plain.send, args=("task-succeeded",), kwargs={"uuid": "p"}, daemon=True)
+        sending.start()
+        wait_until(lambda: _held_publishes(redis_client) == 1, 10, what="Celery's publish held by the pause")
+        assert sending.is_alive()  # the caller itself waits for the broker
+    finally:
+        _unpause(redis_client)
+    sending.join(10)
+    assert not sending.is_alive() and events_seen(1) == ["p"]
     plain.close()
-    assert events_seen(10) == [f"p{i}" for i in range(10)]
 
 
 def _dead() -> Connection:
