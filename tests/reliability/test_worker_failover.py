@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.each_broker
 
 JOBS = 40
 STREAMS = 6
-HOLD_S = 60.0  # a hold at each batch's start, released at the kill
+HOLD_S = 60.0  # the holds (at a batch's start, at a token), released by the kill at the latest
 
 
 @pytest.fixture(scope="module")
