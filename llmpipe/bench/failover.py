@@ -99,11 +99,15 @@ def failover(o: Any, broker: str, broker_url: str | None, state: Path, console: 
     from llmpipe.models.registry import resolve_model
     from llmpipe.settings import Settings
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(o.model, Settings().models_dir, progress=False))
+    # The model's folder in the user's models dir (built there once, as the routing figure's
+    # stacks use it): `llmpipe up` gets the folder, so that its own state dir does not build
+    # the model a second time.
+    model_path = resolve_model(o.model, Settings().models_dir, progress=False)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
     console.print(f"[bold]failover[/] ({broker}): llmpipe up --inference-workers {o.workers}")
     given = {**o.extra, **({"kv_cache_gib": o.kv_cache_gib} if o.kv_cache_gib is not None else {})}
     extra = {f"LLMPIPE_{k.upper()}": str(v).lower() if isinstance(v, bool) else str(v) for k, v in given.items()}
-    proc, port, server, _ = start_up(o.model, o.workers, state, broker_url, {**extra, **o.env})
+    proc, port, server, _ = start_up(model_path, o.workers, state, broker_url, {**extra, **o.env})
     try:
         r = redis.Redis.from_url(server.url)
         nodes = [f"{Stage.INFERENCE.value}-{i}-{port}@llmpipe" for i in range(1, o.workers + 1)]

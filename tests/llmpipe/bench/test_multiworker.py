@@ -101,4 +101,7 @@ def test_bench_multiworker_quick_runs_both_figures(tmp_path):
     assert f["broker"] == "redis" and f["succeeded"] == f["jobs"] == 8
     assert f["settings"]["kv_cache_gib"] == result["routing"]["kv_cache_gib"] == 0.25  # both figures' stacks
     assert abs(f["added_by_failover_s"] - (f["kill_to_last_done_s"] - f["control_last_done_s"])) <= 0.011
+    # The failover's `llmpipe up` serves the model folder the routing figure used: its own state
+    # dir builds no second copy.
+    assert not (tmp_path / "multiworker" / "failover-redis" / "models").exists()
     assert (tmp_path / "multiworker" / "multiworker.md").read_text().startswith("# Several inference workers")
