@@ -13,7 +13,7 @@ bootstrap:
 
 # Where PYTHONDONTWRITEBYTECODE is set (as on the development machines) no process writes the
 # project's .pyc files, so each one compiles again every module of the project it imports:
-# 0.25-0.3 s of CPU for a worker or the API here, and a test run starts hundreds of them.
+# 0.1-0.4 s of CPU for a worker or the API here, and a test run starts hundreds of them.
 # Compiled once here (under a second, then only what changed), they all read the bytecode;
 # Python still compiles in memory any source that changed after this step.
 bytecode: bootstrap
