@@ -143,7 +143,7 @@ class Stack:
         self.redis = EmbeddedRedis(out / "redis", appendonly=False).start()
         s = Settings(redis_url=self.redis.url, model=model_path, state_dir=out / "state", api_port=free_port(),
                      flower_port=free_port())
-        self.lp = LocalPipeline(s, restarts=True, console=console)
+        self.lp = LocalPipeline(s, flower=True, restarts=True, console=console)
         self.lp.start()
         self.lp.wait_ready(timeout=900)
         self._stop = threading.Event()

@@ -1,7 +1,8 @@
 """The serving modes the benchmark compares, and how each one's servers start and stop.
 
 Every mode is real processes on loopback: the serial server, a whole LocalPipeline
-(workers + API, on the bench's own embedded Redis), the celery floor, or ``vllm serve``
+(workers + API, on the bench's own embedded Redis; Flower too on the real engine, as
+``llmpipe up`` starts it), the celery floor, or ``vllm serve``
 (llmpipe/bench/vllm_serve.py: as a user types it, or with the pipeline's engine arguments).
 """
 
@@ -68,6 +69,7 @@ class EngineSetup:
     def settings(self, mode: Mode, redis_url: str, state_dir: Path) -> Settings:
         return Settings(
             redis_url=redis_url, model=self.model_path, engine=self.kind, state_dir=state_dir, api_port=free_port(),
+            flower_port=free_port(),
             batch_window_ms=mode.window_ms, max_batch_size=self.max_batch if mode.batched else 1,
             max_model_len=self.max_model_len, kv_cache_gib=1.0, cpu_workers=self.cpu_workers,
             default_timeout_s=600.0, max_timeout_s=600.0, max_queue_depth=0, max_queued_prompt_tokens=0,
@@ -160,7 +162,11 @@ def _start_pipeline(mode: Mode, eng: EngineSetup, s: Settings, env: dict, log_di
                     console) -> Server:
     if eng.burns:
         env["CELERY_LOADER"] = LOADER
-    p = LocalPipeline(s, flower=False, echo=False, console=console, extra_env=env, log_dir=log_dir).start()
+    # Against `vllm serve` (the real engine) the pipeline is what `llmpipe up` starts, Flower
+    # included: its CPU is part of what a user's stack costs. Against the serial server and
+    # the celery floor (noop, simulated), neither side runs a monitor.
+    p = LocalPipeline(s, flower=eng.key == "real", echo=False, console=console, extra_env=env,
+                      log_dir=log_dir).start()
     try:
         p.wait_ready(timeout=ready_timeout)
     except Exception as e:

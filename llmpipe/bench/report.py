@@ -8,8 +8,8 @@ from pathlib import Path
 from llmpipe.bench.plots import missing, plots
 from llmpipe.bench.vllm_report import comparison_table, misses
 
-STAGE_ORDER = ["api", "preprocess", "inference", "postprocess", "redis", "serial", "vllm-serve", "vllm-serve-matched",
-               "loadgen"]
+STAGE_ORDER = ["api", "preprocess", "inference", "postprocess", "redis", "flower", "serial", "vllm-serve",
+               "vllm-serve-matched", "loadgen"]
 
 
 def _ms(v: float | None) -> str:

@@ -45,6 +45,8 @@ def test_bench_quick_writes_json_markdown_and_plots(tmp_path, tiny_model):
         if row["mode"].startswith("pipeline"):
             assert row["redis"]["commands_per_request"] > 0
             assert {"preprocess", "inference", "postprocess", "api"} <= row["cpu"]["cpu_s"].keys()
+            # Against `vllm serve` the stack is `llmpipe up`'s, Flower included; against the floor, no monitor.
+            assert ("flower" in row["cpu"]["cpu_s"]) is (row["engine"] == "real")
     labels = {p["engine"]: p["label"] for p in result["plans"]}
     assert "SIMULATED" in labels["simulated"]
 
