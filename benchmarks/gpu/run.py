@@ -177,7 +177,10 @@ def run(a: argparse.Namespace) -> int:
         tok = AutoTokenizer.from_pretrained(model)
         o = Options(engines=["real"], modes=a.modes, concurrency=prof["concurrency"], rate=None, requests=None,
                     prompt_tokens=prof["prompt_tokens"], max_tokens=prof["max_tokens"], model=model,
-                    real_engine="transformers", max_batch=MAX_BATCH, cpu_workers=a.cpu_workers, sim={}, api="jobs")
+                    real_engine="transformers", max_batch=MAX_BATCH, cpu_workers=a.cpu_workers, sim={}, api="jobs",
+                    # The study's table compares serial with the pipeline, neither with a monitor;
+                    # and Flower is not among the wheels carried to the GPU machine.
+                    flower=False)
         plans = build_plans(o, model, tok)
         plan = plans[0]
         plan.setup.label = (f"transformers on a random-weight Llama, {a.shape} shape, "

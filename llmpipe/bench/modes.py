@@ -61,6 +61,10 @@ class EngineSetup:
     max_batch: int = 32
     cpu_workers: int = 2
     sim: dict = field(default_factory=dict)  # sim_* Settings fields
+    # The pipeline starts Flower too, as `llmpipe up` does: against `vllm serve` (the real
+    # engine), its CPU is part of what a user's stack costs. Against the serial server and
+    # the celery floor (noop, simulated), neither side runs a monitor.
+    flower: bool = False
 
     @property
     def burns(self) -> bool:
@@ -162,11 +166,7 @@ def _start_pipeline(mode: Mode, eng: EngineSetup, s: Settings, env: dict, log_di
                     console) -> Server:
     if eng.burns:
         env["CELERY_LOADER"] = LOADER
-    # Against `vllm serve` (the real engine) the pipeline is what `llmpipe up` starts, Flower
-    # included: its CPU is part of what a user's stack costs. Against the serial server and
-    # the celery floor (noop, simulated), neither side runs a monitor.
-    p = LocalPipeline(s, flower=eng.key == "real", echo=False, console=console, extra_env=env,
-                      log_dir=log_dir).start()
+    p = LocalPipeline(s, flower=eng.flower, echo=False, console=console, extra_env=env, log_dir=log_dir).start()
     try:
         p.wait_ready(timeout=ready_timeout)
     except Exception as e:

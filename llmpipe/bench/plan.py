@@ -76,6 +76,8 @@ class Options:
     api: str = "auto"
     quick: bool = False
     kinds: list[str] | None = None  # OpenAI request kinds (default: per engine)
+    # The real engine's pipeline starts Flower, as `llmpipe up` does (EngineSetup.flower).
+    flower: bool = True
 
 
 def _max_model_len(tokens: int, model_ctx: int | None) -> int:
@@ -118,7 +120,8 @@ def _setup(o: Options, key: str, kind: EngineKind, model_path: str, tokens: int)
     # vLLM keeps the shipped max_model_len (unset: the model's own), as `vllm serve` picks it.
     mml = None if kind is EngineKind.VLLM else _max_model_len(tokens, context_length(model_path))
     return EngineSetup(key=key, kind=kind, label=label, model_path=model_path, max_model_len=mml, max_batch=o.max_batch,
-                       cpu_workers=o.cpu_workers, sim=dict(o.sim) if key == "simulated" else {})
+                       cpu_workers=o.cpu_workers, sim=dict(o.sim) if key == "simulated" else {},
+                       flower=o.flower and key == "real")
 
 
 def _points(o: Options, key: str, modes: list[str], prof: dict) -> list[tuple[str, list[Load]]]:

@@ -30,6 +30,14 @@ def test_the_default_real_run():
     assert len(set(plan.prompts)) >= 4 * (10 + 32 + 80)
 
 
+def test_the_real_engines_pipeline_runs_flower_as_llmpipe_up_does():
+    plans = build_plans(_options(engines=["noop", "simulated", "real"]), "/models/smollm2", WordTokenizer())
+    assert {p.setup.key: p.setup.flower for p in plans} == {"noop": False, "simulated": False, "real": True}
+    # The GPU run (benchmarks/gpu/run.py) carries no Flower to its machine.
+    (plan,) = build_plans(_options(flower=False), "/models/smollm2", WordTokenizer())
+    assert plan.setup.flower is False
+
+
 def test_kinds_and_modes_can_be_narrowed():
     (plan,) = build_plans(_options(modes=["pipeline-continuous", "vllm-serve", "serial"], kinds=["chat-stream", "completions"],
                                    concurrency=[4], requests=5), "/models/smollm2", WordTokenizer())
