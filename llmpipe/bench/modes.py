@@ -1,8 +1,8 @@
 """The serving modes the benchmark compares, and how each one's servers start and stop.
 
 Every mode is real processes on loopback: the serial server, a whole LocalPipeline
-(workers + API, on the bench's own embedded Redis; Flower too on the real engine, as
-``llmpipe up`` starts it), the celery floor, or ``vllm serve``
+(workers + API, on the bench's own embedded Redis; Flower too where the plan says so,
+``EngineSetup.flower``), the celery floor, or ``vllm serve``
 (llmpipe/bench/vllm_serve.py: as a user types it, or with the pipeline's engine arguments).
 """
 
