@@ -10,7 +10,11 @@ What changes against kombu's transport, and why:
   on wake lists instead (``llmpipe:wake:{queue}``: producers push one token per message,
   so one waiting consumer wakes per message, as with BRPOP) and then claims. A message
   pushed by a producer that does not push tokens (plain kombu) is still claimed, at the
-  end of the next wait (``brpop_timeout``, 1 s).
+  end of the next wait (``brpop_timeout``, 1 s). The claim goes out with the wait, pipelined
+  behind the BRPOP: Redis runs it as soon as a token unblocks the wait, so a woken consumer
+  reads its message in the same round trip and event-loop turn as its token. Only while
+  batch-lane claims are held back (below) is the claim sent after the wake, with the gate as
+  it is then.
 * Acks and rejects count only while this channel's lease still holds the message.
 * The visibility timeout (kombu's ``restore_visible``) never restores a message whose holder
   lease is alive; it stays for messages held by no lease.
@@ -171,45 +175,50 @@ class Channel(kombu_redis.Channel):
         queues = self._queue_cycle.consume(len(self.active_queues))
         if not queues:
             return
-        lease_id = None if self._waiting else self._ensure_lease()
+        lease_id = self._ensure_lease()
+        wait = ["BRPOP", *[wake_key(q) for q in queues], timeout or 0]
         if lease_id is None:
             self._waiting = True
-            command = ["BRPOP", *[wake_key(q) for q in queues], timeout or 0]
-            self._sent = ("wait", None)
+            commands, self._sent = [wait], ("wait", None)
+        elif not self._waiting:
+            commands, self._sent = [self._claim_command(lease_id, queues)], ("claim", lease_id)
         else:
-            if self._woken in queues:
-                queues = [self._woken] + [q for q in queues if q != self._woken]
-            keys = [(self._q_for_pri(q, pri), q, q not in self._no_ack_queues) for pri in self._claimable_steps()
-                    for q in queues]
-            if self._woken is not None:  # the woken queue's own keys first
-                keys.sort(key=lambda kq: kq[1] != self._woken)
-            command = self._lease_store.claim_command(lease_id, keys)
-            self._sent = ("claim", lease_id)
-        self._in_poll = self.client.connection
+            claim = self._claim_command(lease_id, queues)
+            if self._batch_gated:  # the gate may open during the wait: claim after it
+                commands, self._sent = [wait], ("wait", None)
+            else:  # it cannot close during the wait (only a claim of ours closes it)
+                commands, self._sent = [wait, claim], ("wait+claim", lease_id)
+        self._in_poll = conn = self.client.connection
         self._brpop_sent_at = monotonic()
-        self.client.connection.send_command(*command)
+        conn.send_packed_command(conn.pack_commands(commands))
+
+    def _claim_command(self, lease_id: str, queues: list[str]) -> list:
+        """The claim over ``queues``' claimable priority lists, highest priority first; after
+        a wake on its own, the woken queue's lists before the others'."""
+        if self._woken in queues:
+            queues = [self._woken] + [q for q in queues if q != self._woken]
+        keys = [(self._q_for_pri(q, pri), q, q not in self._no_ack_queues) for pri in self._claimable_steps()
+                for q in queues]
+        if self._woken is not None:  # the woken queue's own keys first
+            keys.sort(key=lambda kq: kq[1] != self._woken)
+        return self._lease_store.claim_command(lease_id, keys)
 
     def _brpop_read(self, **options):
         sent, self._sent = self._sent, None
         try:
             kind, lease_id = sent or ("wait", None)
-            try:
-                reply = self.client.parse_response(self.client.connection, "BRPOP" if kind == "wait" else "EVALSHA",
-                                                   **options)
-            except self.connection_errors:
-                self.client.connection.disconnect()
-                raise
-            except self.ResponseError as exc:
-                if "NOSCRIPT" in str(exc):  # Redis restarted: load the scripts, claim again
-                    self._lease_store.load_scripts()
-                    self._waiting = False
-                    raise Empty() from None
-                raise
-            if kind == "wait":
+            if kind != "claim":
+                try:
+                    woken = self._read_reply("BRPOP", **options)
+                except self.ResponseError:
+                    if kind == "wait+claim":  # the claim's reply is still unread: drop the connection
+                        self.client.connection.disconnect()
+                    raise
                 self._waiting = False  # a token, or the wait timed out: claim next
-                self._woken = bytes_to_str(reply[0]).removeprefix(wake_key("")) if reply else None
-                raise Empty()
-            claim = parse_claim(reply)
+                self._woken = bytes_to_str(woken[0]).removeprefix(wake_key("")) if woken and kind == "wait" else None
+                if kind == "wait":
+                    raise Empty()
+            claim = parse_claim(self._read_reply("EVALSHA", **options))
             self._woken = None
             if claim.status in ("ok", "raw"):
                 self._waiting = not claim.more
@@ -232,6 +241,19 @@ class Channel(kombu_redis.Channel):
         finally:
             self._in_poll = None
             self._flush_brpop_reauth()
+
+    def _read_reply(self, command: str, **options):
+        try:
+            return self.client.parse_response(self.client.connection, command, **options)
+        except self.connection_errors:
+            self.client.connection.disconnect()
+            raise
+        except self.ResponseError as exc:
+            if "NOSCRIPT" in str(exc):  # Redis restarted: load the scripts, claim again
+                self._lease_store.load_scripts()
+                self._waiting = False
+                raise Empty() from None
+            raise
 
     def _claimable_steps(self) -> list[int]:
         """The priority lists to claim from: the batch lane's too, unless the consumer holds

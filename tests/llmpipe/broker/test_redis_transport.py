@@ -53,6 +53,32 @@ def test_an_idle_consumer_wakes_on_a_token_at_once(redis_url, redis_client):
     assert got[0] - t0 < 0.9  # not the 1 s wait timeout
 
 
+def test_a_woken_consumer_reads_its_token_and_its_message_in_one_reply(redis_url, redis_client):
+    """The claim goes out pipelined behind the wait, so the read that brings the token brings
+    the message: no second round trip, no second turn of the event loop."""
+    with connect(redis_url) as conn:
+        ch = conn.channel()
+        got, reads = [], []
+        with Consumer(ch, [Queue("q")], callbacks=[lambda b, m: (got.append(b), m.ack())]):
+            for _ in range(3):  # the consumer finds the queue empty and waits on its token list
+                try:
+                    conn.drain_events(timeout=0.3)
+                except TimeoutError:
+                    pass
+            assert ch._waiting
+            read = ch.handlers["BRPOP"]
+            ch.handlers["BRPOP"] = lambda **kw: (reads.append(ch._sent[0]), read(**kw))[1]
+            publish(redis_url, "q", {"n": 1})
+            t0 = time.monotonic()
+            while not got and time.monotonic() - t0 < 5:
+                try:
+                    conn.drain_events(timeout=0.5)
+                except TimeoutError:
+                    pass
+    assert got == [{"n": 1}]
+    assert len(reads) == 1, reads  # before: ["wait", "claim"]
+
+
 def test_a_message_from_a_producer_without_tokens_is_still_consumed(redis_url, redis_client):
     with Connection(redis_url) as plain:  # kombu's own transport: no wake token
         Producer(plain.channel()).publish({"n": 7}, routing_key="q", serializer="json", declare=[Queue("q")])
