@@ -204,6 +204,8 @@ def _run(a: SimpleNamespace, console: Console) -> int:
     for t in result["targets"]:
         mark = "[green]met[/]" if t["met"] else "[red]missed[/]"
         v = "n/a" if t["value"] is None else f"{t['value']:.2f}"
+        if t.get("ci"):
+            v += f" (95% CI {t['ci'][0]:.2f}-{t['ci'][1]:.2f}{', within noise' if t['noise'] else ''})"
         console.print(f"{mark} {t['name']}: {v} (want {t['target']}; {t['detail']})")
     plots = f"{len(files) - 2} plots" if not result.get("plots") else "no plots (matplotlib is missing)"
     console.print(f"wrote {files['markdown']}, {files['json']} and {plots} in {meta['duration_s']:.0f} s")

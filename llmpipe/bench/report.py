@@ -132,10 +132,15 @@ def trace_table(rows: list[dict]) -> list[str]:
 
 
 def targets_table(targets: list[dict]) -> list[str]:
-    out = ["| target | wanted | measured | met | how |", "|---|---|---|---|---|"]
+    """One line per target; a ratio with a bootstrap interval shows it, and a verdict the
+    interval does not settle (it holds the bound) says "within noise"."""
+    out = ["| target | wanted | measured (95% CI) | met | how |", "|---|---|---|---|---|"]
     for t in targets:
         v = "n/a" if t["value"] is None else f"{t['value']:.2f}"
-        out.append(f"| {t['name']} | {t['target']} | {v} | {'yes' if t['met'] else '**no**'} | {t['detail']} |")
+        if t.get("ci"):
+            v += f" ({t['ci'][0]:.2f}-{t['ci'][1]:.2f})"
+        met = ("yes" if t["met"] else "**no**") + (", within noise" if t.get("noise") else "")
+        out.append(f"| {t['name']} | {t['target']} | {v} | {met} | {t['detail']} |")
     return out
 
 
@@ -197,7 +202,10 @@ DEFINITIONS = (
     "where the server reports them (approximate: a batch's interval is taken per request, from when its "
     "Celery task returned), else '(client)': the union of in-flight requests, an upper bound. Kind: the job API "
     "(jobs), or POST /v1/completions or /v1/chat/completions, streamed (-stream) or not. TTFT: only where the "
-    "client streams; n/a otherwise.")
+    "client streams; n/a otherwise. 95% CI of a target's ratio: a percentile bootstrap over the two points' "
+    "measured requests, each side resampled on its own; 'within noise' where it holds the bound. It takes the "
+    "requests as independent, as they are one at a time; in a closed loop's waves they are not, and the interval "
+    "comes out narrower than the spread between runs.")
 
 
 def markdown(result: dict, plots: dict[str, list[str]]) -> str:

@@ -4,7 +4,10 @@ engine busy fraction, batch sizes."""
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 
 from llmpipe.bench.loadgen import Sample
 
@@ -38,6 +41,53 @@ def union_length(intervals: list[tuple[float, float]], lo: float, hi: float) -> 
     if cur_b is not None:
         total += cur_b - cur_a
     return total
+
+
+BOOTSTRAP_RESAMPLES = 2000
+CI_LEVEL = 0.95
+
+
+def ratio_ci(a: Sequence, b: Sequence, stat: Callable[[Sequence], float], *, resamples: int = BOOTSTRAP_RESAMPLES,
+             level: float = CI_LEVEL, seed: int = 0) -> tuple[float, float] | None:
+    """A percentile bootstrap interval of ``stat(a) / stat(b)``: each side resampled with
+    replacement on its own, ``resamples`` times (seeded: a report reads the same twice).
+    None when a side has fewer than 2 values. It treats the requests of a point as
+    independent, which holds one at a time (c=1) and less so for the waves of a closed
+    loop, where the interval comes out narrower than the run-to-run spread."""
+    if len(a) < 2 or len(b) < 2:
+        return None
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        sb = stat(rng.choices(b, k=len(b)))
+        if sb:
+            ratios.append(stat(rng.choices(a, k=len(a))) / sb)
+    if len(ratios) < resamples // 2:
+        return None
+    tail = (1 - level) / 2 * 100
+    return percentile(ratios, tail), percentile(ratios, 100 - tail)
+
+
+def median(values: Sequence[float]) -> float:
+    return percentile(list(values), 50)
+
+
+def token_rate(pairs: Sequence[tuple[float, int]]) -> float:
+    """Output tokens per second of a closed loop per client, from (latency, tokens) pairs:
+    mean tokens / mean latency, as ``summarize`` computes ``output_tok_s`` (times the
+    concurrency, which cancels in a ratio at the same load)."""
+    lat = sum(p[0] for p in pairs)
+    return sum(p[1] for p in pairs) / lat if lat else 0.0
+
+
+def steady_of_row(row: dict) -> list[SimpleNamespace]:
+    """The measured, successful requests of a result row (its ``samples`` lists, as the
+    runner stores them), chosen as ``summarize`` chose them."""
+    keys = ("i", "start", "latency_s", "ok", "ttft_s", "completion_tokens")
+    samples = [SimpleNamespace(**dict(zip(keys, s[:6], strict=True))) for s in row.get("samples") or []]
+    load = row.get("load") or ""
+    concurrency = int(load[2:]) if load.startswith("c=") else None
+    return [s for s in _steady(samples, row.get("warmup", 0), concurrency) if s.ok]
 
 
 def _steady(samples: list[Sample], warmup: int, concurrency: int | None) -> list[Sample]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from llmpipe.bench.kinds import JOBS, STREAMING
+from llmpipe.bench.stats import median, ratio_ci, steady_of_row, token_rate
 
 # Real vLLM: the pipeline (as `make up` ships it: pipeline-window50, in the default run)
 # against `vllm serve MODEL` as a user types it, at every load and in every request kind.
@@ -34,6 +35,15 @@ def _p(row: dict, q: str = "p50", key: str = "latency_s") -> float | None:
 def _t(name: str, target: str, value: float | None, ok: bool | None, detail: str, **where) -> dict:
     """``where``: the rows a target compares (engine, mode, kind, load, against), for the report."""
     return {"name": name, "target": target, "value": value, "met": ok, "detail": detail, **where}
+
+
+def _with_ci(t: dict, ci: tuple[float, float] | None, bound: float) -> dict:
+    """The ratio's bootstrap interval (llmpipe/bench/stats.py ratio_ci), and whether it holds
+    ``bound``: then this run cannot tell a met target from a missed one (``noise``)."""
+    if ci is not None:
+        t["ci"] = [ci[0], ci[1]]
+        t["noise"] = ci[0] <= bound <= ci[1]
+    return t
 
 
 def evaluate(rows: list[dict], theoretical: dict[str, float]) -> list[dict]:
@@ -134,7 +144,9 @@ def _any(rows: list[dict], mode: str, load: str, kind: str) -> dict | None:
 def real_targets(rows: list[dict], modes: tuple[str, ...] | None = None) -> list[dict]:
     """Per request kind and load that `vllm serve` took: each pipeline mode's (``modes``;
     default: every one in the rows) output tokens/s >= 0.95x and, where it streams, TTFT p50
-    <= 1.1x `vllm serve`'s. A point that failed on either side is a missed target."""
+    <= 1.1x `vllm serve`'s. A point that failed on either side is a missed target. Each
+    ratio carries its 95 % bootstrap interval (``ci``) over the point's measured requests,
+    and ``noise`` where the interval holds the bound."""
     if modes is None:
         modes = tuple(dict.fromkeys(r["mode"] for r in rows if r["engine"] == "real" and r["mode"].startswith("pipeline")))
     out: list[dict] = []
@@ -150,13 +162,21 @@ def real_targets(rows: list[dict], modes: tuple[str, ...] | None = None) -> list
             if failed:
                 out.append(_t(f"{name} output tok/s vs vllm serve", f">= {TOK_S_RATIO}x", None, False, failed, **where))
                 continue
+            sp, sv = steady_of_row(p), steady_of_row(v)
             tp, tv = p["summary"]["output_tok_s"], v["summary"]["output_tok_s"]
             ratio = tp / tv if tv else None
-            out.append(_t(f"{name} output tok/s vs vllm serve", f">= {TOK_S_RATIO}x", ratio,
-                          ratio is not None and ratio >= TOK_S_RATIO, f"{tp:.1f} vs {tv:.1f} tok/s", **where))
+            ci = ratio_ci([(s.latency_s, s.completion_tokens) for s in sp],
+                          [(s.latency_s, s.completion_tokens) for s in sv], token_rate)
+            out.append(_with_ci(_t(f"{name} output tok/s vs vllm serve", f">= {TOK_S_RATIO}x", ratio,
+                                   ratio is not None and ratio >= TOK_S_RATIO, f"{tp:.1f} vs {tv:.1f} tok/s", **where),
+                                ci, TOK_S_RATIO))
             fp, fv = _p(p, "p50", "ttft_s"), _p(v, "p50", "ttft_s")
             if kind in STREAMING:
                 ok = bool(fp and fv) and fp / fv <= TTFT_RATIO
-                out.append(_t(f"{name} TTFT p50 vs vllm serve", f"<= {TTFT_RATIO}x", fp / fv if fp and fv else None, ok,
-                              f"{fp * 1000:.0f} vs {fv * 1000:.0f} ms" if fp and fv else "no TTFT measured", **where))
+                ci = ratio_ci([s.ttft_s for s in sp if s.ttft_s is not None],
+                              [s.ttft_s for s in sv if s.ttft_s is not None], median)
+                out.append(_with_ci(_t(f"{name} TTFT p50 vs vllm serve", f"<= {TTFT_RATIO}x",
+                                       fp / fv if fp and fv else None, ok,
+                                       f"{fp * 1000:.0f} vs {fv * 1000:.0f} ms" if fp and fv else "no TTFT measured",
+                                       **where), ci, TTFT_RATIO))
     return out

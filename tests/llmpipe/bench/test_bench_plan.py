@@ -21,13 +21,13 @@ def test_the_default_real_run():
     assert [m for m, _ in plan.points] == ["pipeline-window50", "vllm-serve", "vllm-serve-matched"]
     assert MODES["pipeline-window50"].window_ms == 50  # the shipped batch_window_ms
     for _, loads in plan.points:
-        assert [(ld.concurrency, ld.requests) for ld in loads] == [(1, 10), (8, 32), (32, 80)]
+        assert [(ld.concurrency, ld.requests) for ld in loads] == [(1, 24), (8, 32), (32, 80)]
     assert plan.api == "openai" and plan.kinds == list(KINDS)
     assert all(plan.kinds_for(MODES[m]) == list(KINDS) for m, _ in plan.points)
     assert (plan.prompt_tokens, plan.max_tokens) == (128, 32)
     assert plan.setup.max_model_len is None  # as shipped, and as `vllm serve` picks it
     # Fresh prompts for every point a server takes, in every kind.
-    assert len(set(plan.prompts)) >= 4 * (10 + 32 + 80)
+    assert len(set(plan.prompts)) >= 4 * (24 + 32 + 80)
 
 
 def test_the_real_engines_pipeline_runs_flower_as_llmpipe_up_does():

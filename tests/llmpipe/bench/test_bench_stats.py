@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from llmpipe.bench.loadgen import Sample, engine_interval
-from llmpipe.bench.stats import percentile, summarize, union_length
+from llmpipe.bench.stats import median, percentile, ratio_ci, steady_of_row, summarize, token_rate, union_length
 
 
 def test_percentile_interpolates_like_numpy():
@@ -54,6 +54,30 @@ def test_closed_loop_throughput_is_littles_law_on_the_steady_requests():
     more += [_sample(20, 19.0, 0.5), _sample(21, 19.5, 0.5)]
     m = summarize(more, warmup=2, concurrency=2)
     assert m["measured"] == 18 and m["throughput_rps"] == pytest.approx(1.0)
+
+
+def test_ratio_ci_brackets_the_ratio_and_tells_apart_what_differs():
+    base = [0.100, 0.104, 0.097, 0.110, 0.093, 0.101, 0.099, 0.106]
+    same = ratio_ci([x * 1.01 for x in base], base, median)
+    assert same[0] < 1.01 < same[1] and same[0] < 1.0 < same[1]  # a 1 % shift is within this spread
+    apart = ratio_ci([x * 1.5 for x in base], base, median)
+    assert 1.3 < apart[0] <= 1.5 <= apart[1] < 1.7  # 1.5x is told apart
+    assert ratio_ci([x * 1.5 for x in base], base, median) == apart  # seeded: a report reads the same twice
+    assert ratio_ci([0.1], base, median) is None and ratio_ci(base, [0.1], median) is None
+    # tokens per second from (latency, tokens): mean tokens over mean latency, as summarize's
+    assert token_rate([(1.0, 32), (3.0, 32)]) == pytest.approx(16.0)
+    lo, hi = ratio_ci([(2.0, 32)] * 5, [(1.0, 32)] * 5, token_rate)
+    assert lo == pytest.approx(0.5) and hi == pytest.approx(0.5)
+
+
+def test_steady_of_row_picks_what_summarize_measured():
+    samples = [_sample(0, 0.0, 1.0), _sample(1, 0.0, 2.0)] + [_sample(k, k - 1.0, 2.0) for k in range(2, 20)]
+    samples += [_sample(20, 19.0, 0.5), _sample(21, 19.5, 0.5)]
+    row = {"load": "c=2", "warmup": 2,
+           "samples": [[x.i, x.start, x.latency_s, x.ok, x.ttft_s, x.completion_tokens, x.batch_size, x.engine_time_s]
+                       for x in samples]}
+    steady = steady_of_row(row)
+    assert [s.i for s in steady] == list(range(2, 20)) == list(range(2, 2 + summarize(samples, 2, 2)["measured"]))
 
 
 def test_open_loop_throughput_counts_completions():
