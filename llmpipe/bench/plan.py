@@ -46,9 +46,10 @@ def default_requests(engine: str, mode: str, load: Load) -> tuple[int, float | N
     Real engine, closed loop: 24 at c=1 and 2c + 16 above, so that after the first c (the
     initial burst) and the last c (the drain) 22 remain at c=1 and 16 above (c=8: 32, c=32:
     80). c=1 gets more: its TTFT ratio is the target that sits closest to its bound, and
-    its requests are independent, so more of them narrow its interval (targets.py). On 2
-    cores the default real run is then about 15 minutes, 6-7 of them the three servers'
-    starts (vLLM compiles the model at each start)."""
+    its requests are independent, so more of them narrow its interval (targets.py). With 10
+    at c=1 the default real run took 460-550 s on 2 cores, several minutes of it the three
+    servers' starts (vLLM compiles the model at each start); the 14 more requests of each
+    kind and server at c=1, about 1 s each there, add about 3 minutes."""
     if load.rate is not None:
         return max(20, int(load.rate * 20)), None
     c = load.concurrency or 1
