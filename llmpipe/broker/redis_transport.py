@@ -183,7 +183,7 @@ class Channel(kombu_redis.Channel):
         elif not self._waiting:
             commands, self._sent = [self._claim_command(lease_id, queues)], ("claim", lease_id)
         else:
-            claim = self._claim_command(lease_id, queues)
+            claim = self._claim_command(lease_id, queues)  # reads the batch-lane gate afresh
             if self._batch_gated:  # the gate may open during the wait: claim after it
                 commands, self._sent = [wait], ("wait", None)
             else:  # it cannot close during the wait (only a claim of ours closes it)
