@@ -330,6 +330,8 @@ class PromptResult(_Msg):
     timings: dict[Stage, StageTimingSummary] = Field(default_factory=dict)
     batch_size: int = 0
     engine_time_s: float = 0.0
+    # When the engine emitted the first output token (epoch seconds; None: none came).
+    first_token_at: float | None = None
     error: StageError | None = None
     # vLLM's stop_reason: the stop string or stop token id that ended the output (None: EOS).
     stop_reason: int | str | None = None

@@ -101,7 +101,8 @@ class JobsClient:
 
 
 def apply_view(s: Sample, view: dict) -> None:
-    """Take the server-side figures of a finished job: batch size, engine time and interval."""
+    """Take the server-side figures of a finished job: batch size, engine time and interval,
+    stage timings, and when the job was created and the engine emitted its first token."""
     res = ((view.get("result") or {}).get("results") or [None])[0]
     if not res:
         return
@@ -110,6 +111,8 @@ def apply_view(s: Sample, view: dict) -> None:
     if s.engine_time_s is not None:
         s.engine_interval = engine_interval(view["created_at"], res.get("timings") or {}, s.engine_time_s)
     s.extra["timings"] = res.get("timings")
+    s.extra["created_at"] = view.get("created_at")
+    s.extra["first_token_at"] = res.get("first_token_at")
 
 
 async def enrich(base_url: str, samples: list[Sample], concurrency: int = 8) -> int:
@@ -240,6 +243,8 @@ async def run_load(
 
     _ssl_context()  # built before the clock starts: ~0.1 s on a busy machine, which late-started the schedule
     async with ClientPool() as clients:
+        with clients.lent():  # likewise the first client (~20 ms: it imports httpx's transport)
+            pass
         if concurrency is not None:
             counter = itertools.count()
 

@@ -174,12 +174,33 @@ def _server_figures(ok: list[Sample]) -> dict:
             if vals:
                 stages.setdefault(stage, {})[part] = percentile(vals, 50)
     out["stage_p50_s"] = stages or None  # from the server's per-prompt timings
+    parts = [p for s in ok if (p := ttft_parts(s)) is not None]
+    out["ttft_parts_p50_s"] = {k: percentile([p[k] for p in parts], 50) for k in TTFT_PARTS} if parts else None
     sizes = Counter(s.batch_size for s in ok if s.batch_size)
     out["batch_sizes"] = {str(k): v for k, v in sorted(sizes.items())} or None
     if sizes:
         n = sum(sizes.values())
         out["batch_size_mean"] = sum(k * v for k, v in sizes.items()) / n  # per request
     return out
+
+
+# A streamed request's time to first token, cut where the server stamps it (ttft_parts).
+TTFT_PARTS = ("to_job_s", "preprocess_s", "inference_queue_s", "inference_to_first_token_s", "to_client_s")
+
+
+def ttft_parts(s: Sample) -> dict[str, float] | None:
+    """``s``'s TTFT in TTFT_PARTS, which add up to it: the client's send to the job's record
+    (the API), preprocess (its queue and run), the inference queue, the inference stage's
+    start to the engine's first token (the batcher, then the prefill), and that token's way to
+    the client (the token stream, the API, HTTP). Server and client stamp epoch time on one
+    machine, as the bench runs them. None without a TTFT or the job's figures."""
+    t, created, first = s.extra.get("timings") or {}, s.extra.get("created_at"), s.extra.get("first_token_at")
+    if s.ttft_s is None or created is None or first is None or not {"preprocess", "inference"} <= t.keys():
+        return None
+    pre = t["preprocess"]["queue_wait_s"] + t["preprocess"]["run_s"]
+    queue = t["inference"]["queue_wait_s"]
+    return dict(zip(TTFT_PARTS, (created - s.start, pre, queue, first - (created + pre + queue),
+                                 s.start + s.ttft_s - first), strict=True))
 
 
 def cdf_points(samples: list[Sample], warmup: int, concurrency: int | None = None) -> list[float]:

@@ -1,7 +1,8 @@
 """The real engine's part of report.md: each pipeline mode against `vllm serve` as typed and
 against `vllm serve` on the pipeline's own engine arguments, request kind by kind; and, for
 every missed target, where the pipeline's time and CPU went (the job API's per-stage
-timings, the CPU per process group) beside `vllm serve`'s."""
+timings, a streamed request's time to first token by part, the CPU per process group)
+beside `vllm serve`'s."""
 
 from __future__ import annotations
 
@@ -71,6 +72,18 @@ def _stages(r: dict) -> str:
             f"engine time {_ms(engine)}; end-to-end {_ms(e2e)}")
 
 
+_PART_NAMES = {"to_job_s": "to the job (API)", "preprocess_s": "preprocess", "inference_queue_s": "inference queue",
+               "inference_to_first_token_s": "inference start to the first token", "to_client_s": "to the client"}
+
+
+def _ttft_parts(r: dict) -> str | None:
+    """The TTFT's parts (llmpipe/bench/stats.py ttft_parts), p50 each, where they were read."""
+    parts = r["summary"].get("ttft_parts_p50_s")
+    if not parts:
+        return None
+    return ", ".join(f"{_PART_NAMES[k]} {v * 1000:.1f}" for k, v in parts.items())
+
+
 def _cpu(r: dict) -> str:
     c = r.get("cpu")
     if not c:
@@ -103,6 +116,7 @@ def misses(rows: list[dict], targets: list[dict]) -> list[str]:
             continue
         out += [f"- pipeline, p50 ms: {_stages(p)}; TTFT {_ms(_ttft(p))} (vllm serve: end-to-end "
                 f"{_ms(v['summary']['latency_s']['p50'])}, TTFT {_ms(_ttft(v))})",
+                *([f"- TTFT p50 by part, ms: {parts}"] if (parts := _ttft_parts(p)) else []),
                 f"- CPU ms per request, pipeline: {_cpu(p)}",
                 f"- CPU ms per request, vllm serve: {_cpu(v)}", ""]
     return out

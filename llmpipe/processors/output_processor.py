@@ -58,6 +58,7 @@ class OutputProcessor:
             timings={t.stage: StageTimingSummary(queue_wait_s=t.queue_wait_s, run_s=t.run_s) for t in done.timings},
             batch_size=done.batch_size,
             engine_time_s=done.engine_time_s,
+            first_token_at=done.first_token_at,
             error=done.error,
             stop_reason=d.stop_string if d.stop_string is not None else done.stop_token if ok else None,
             prompt_token_ids=done.prompt_token_ids if ok else None,

@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 
 from llmpipe.bench.loadgen import Sample, engine_interval
-from llmpipe.bench.stats import median, percentile, ratio_ci, steady_of_row, summarize, token_rate, union_length
+from llmpipe.bench.stats import (
+    median,
+    percentile,
+    ratio_ci,
+    steady_of_row,
+    summarize,
+    token_rate,
+    ttft_parts,
+    union_length,
+)
 
 
 def test_percentile_interpolates_like_numpy():
@@ -96,6 +105,26 @@ def test_summarize_uses_server_engine_intervals_and_batch_sizes():
     assert s["batch_sizes"] == {"2": 4} and s["batch_size_mean"] == 2
     assert s["overhead_s"]["p50"] == pytest.approx(0.75)
 
+
+
+def test_a_streamed_requests_ttft_splits_at_the_servers_stamps_into_parts_that_add_up():
+    def streamed(i: int, ttft: float) -> Sample:
+        s = Sample(i=i, start=100.0 + i, latency_s=0.5, ok=True, ttft_s=ttft)
+        s.extra.update(created_at=s.start + 0.002, first_token_at=s.start + ttft - 0.003,
+                       timings={"preprocess": {"queue_wait_s": 0.004, "run_s": 0.001},
+                                "inference": {"queue_wait_s": 0.005, "run_s": 0.4}})
+        return s
+
+    parts = ttft_parts(streamed(0, 0.1))
+    assert parts == pytest.approx({"to_job_s": 0.002, "preprocess_s": 0.005, "inference_queue_s": 0.005,
+                                   "inference_to_first_token_s": 0.085, "to_client_s": 0.003})
+    assert sum(parts.values()) == pytest.approx(0.1)
+    answered = Sample(i=1, start=1.0, latency_s=0.5, ok=True)  # not streamed: no TTFT to split
+    answered.extra.update(created_at=1.001, first_token_at=1.1, timings=streamed(0, 0.1).extra["timings"])
+    assert ttft_parts(answered) is None
+    s = summarize([streamed(i, 0.1 + i / 100) for i in range(5)], warmup=0)
+    assert s["ttft_parts_p50_s"]["inference_to_first_token_s"] == pytest.approx(0.105)
+    assert summarize([answered] * 3, warmup=0)["ttft_parts_p50_s"] is None
 
 def test_redis_trace_classifies_commands_by_purpose():
     from llmpipe.bench.redis_trace import classify

@@ -11,6 +11,9 @@ from llmpipe.bench.vllm_report import comparison_table, misses
 STAGES = {"preprocess": {"queue_wait_s": 0.004, "run_s": 0.006}, "inference": {"queue_wait_s": 0.01, "run_s": 0.9},
           "postprocess": {"queue_wait_s": 0.003, "run_s": 0.002}}
 
+PARTS = {"to_job_s": 0.002, "preprocess_s": 0.01, "inference_queue_s": 0.01, "inference_to_first_token_s": 0.095,
+         "to_client_s": 0.003}
+
 
 def _row(mode: str, kind: str, load: str, tok_s: float, ttft: float | None, **extra) -> dict:
     pipeline = mode.startswith("pipeline")
@@ -19,6 +22,7 @@ def _row(mode: str, kind: str, load: str, tok_s: float, ttft: float | None, **ex
             "summary": {"output_tok_s": tok_s, "throughput_rps": tok_s / 32, "ttft_s": {"p50": ttft} if ttft else None,
                         "latency_s": {"p50": 1.0, "p90": 1.1, "p99": 1.2}, "engine_time_s": {"p50": 0.85},
                         "stage_p50_s": STAGES if pipeline else None, "measured": 20, "errors": 0,
+                        "ttft_parts_p50_s": PARTS if pipeline and ttft else None,
                         "engine_busy": {"fraction": 1.0, "method": "client"}},
             "cpu": {"wall_s": 20.0, "cores": 2, "cpu_s": {**cpu, "loadgen": 0.4}, "other_cpu_s": 2.0}, **extra}
 
@@ -71,6 +75,8 @@ def test_each_missed_point_shows_its_stage_timings_and_cpu_per_process():
     assert "c=1**" not in text and "completions, c=8**" not in text  # met: nothing to explain
     assert "preprocess wait 4 / run 6, inference wait 10 / run 900, postprocess wait 3 / run 2" in text
     assert "engine time 850" in text and "TTFT 120 (vllm serve: end-to-end 1000, TTFT 100)" in text
+    assert "TTFT p50 by part, ms: to the job (API) 2.0, preprocess 10.0, inference queue 10.0, " \
+           "inference start to the first token 95.0, to the client 3.0" in text
     # CPU ms per request by group: 40 requests, e.g. the inference worker's 30 s -> 750 ms.
     assert "api 100, preprocess 25, inference 750, postprocess 25, redis 12 (serving processes 912 in all)" in text
     assert "vllm serve: vllm-serve 825 (serving processes 825 in all)" in text

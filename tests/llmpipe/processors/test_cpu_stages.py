@@ -100,13 +100,14 @@ def test_preprocess_of_a_job_that_ended_passes_its_end_on(redis_client, models):
         assert out["error"]["message"] == f"job {status.value} before preprocess"
 
 
-def test_postprocess_replays_a_redelivery_from_the_memo(redis_client, models):
+def test_postprocess_keeps_the_first_token_time_and_replays_a_redelivery_from_the_memo(redis_client, models):
     stage = PostprocessStage(StageMemo(redis_client, slack_s=60), models, "tiny",
                              JobFinisher(JobStore(redis_client, 60), release=lambda j: None, forget=lambda ids: None,
                                          default_model="tiny"))
     msg = _generation("m1", time.time())
     first = stage.run(msg)
     assert first["token_ids"] == [5, 6, 7, 8] and first["completion_tokens"] == 4
+    assert first["first_token_at"] == msg["first_token_at"]  # the engine's, for a client's TTFT breakdown
     assert stage.run(msg) == first  # delivered again: the stored result, timings included
 
 
