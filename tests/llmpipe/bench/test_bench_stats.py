@@ -106,7 +106,6 @@ def test_summarize_uses_server_engine_intervals_and_batch_sizes():
     assert s["overhead_s"]["p50"] == pytest.approx(0.75)
 
 
-
 def test_a_streamed_requests_ttft_splits_at_the_servers_stamps_into_parts_that_add_up():
     def streamed(i: int, ttft: float) -> Sample:
         s = Sample(i=i, start=100.0 + i, latency_s=0.5, ok=True, ttft_s=ttft)
@@ -125,6 +124,7 @@ def test_a_streamed_requests_ttft_splits_at_the_servers_stamps_into_parts_that_a
     s = summarize([streamed(i, 0.1 + i / 100) for i in range(5)], warmup=0)
     assert s["ttft_parts_p50_s"]["inference_to_first_token_s"] == pytest.approx(0.105)
     assert summarize([answered] * 3, warmup=0)["ttft_parts_p50_s"] is None
+
 
 def test_redis_trace_classifies_commands_by_purpose():
     from llmpipe.bench.redis_trace import classify
