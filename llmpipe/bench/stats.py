@@ -184,8 +184,10 @@ def _server_figures(ok: list[Sample]) -> dict:
     return out
 
 
-# A streamed request's time to first token, cut where the server stamps it (ttft_parts).
-TTFT_PARTS = ("to_job_s", "preprocess_s", "inference_queue_s", "inference_to_first_token_s", "to_client_s")
+# A streamed request's time to first token, cut where the server stamps it (ttft_parts):
+# each part's key, in order, and its name in reports.
+TTFT_PARTS = {"to_job_s": "to the job (API)", "preprocess_s": "preprocess", "inference_queue_s": "inference queue",
+              "inference_to_first_token_s": "inference start to the first token", "to_client_s": "to the client"}
 
 
 def ttft_parts(s: Sample) -> dict[str, float] | None:

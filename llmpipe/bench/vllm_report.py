@@ -6,6 +6,7 @@ beside `vllm serve`'s."""
 
 from __future__ import annotations
 
+from llmpipe.bench.stats import TTFT_PARTS
 from llmpipe.bench.targets import VLLM_SERVE
 
 MATCHED = "vllm-serve-matched"
@@ -72,16 +73,12 @@ def _stages(r: dict) -> str:
             f"engine time {_ms(engine)}; end-to-end {_ms(e2e)}")
 
 
-_PART_NAMES = {"to_job_s": "to the job (API)", "preprocess_s": "preprocess", "inference_queue_s": "inference queue",
-               "inference_to_first_token_s": "inference start to the first token", "to_client_s": "to the client"}
-
-
 def _ttft_parts(r: dict) -> str | None:
     """The TTFT's parts (llmpipe/bench/stats.py ttft_parts), p50 each, where they were read."""
     parts = r["summary"].get("ttft_parts_p50_s")
     if not parts:
         return None
-    return ", ".join(f"{_PART_NAMES[k]} {v * 1000:.1f}" for k, v in parts.items())
+    return ", ".join(f"{TTFT_PARTS[k]} {v * 1000:.1f}" for k, v in parts.items())
 
 
 def _cpu(r: dict) -> str:
