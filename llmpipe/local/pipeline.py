@@ -126,6 +126,11 @@ def worker_gpus(s: Settings) -> dict[str, str]:
         raise PipelineError(str(exc)) from None
 
 
+# How long a restarted inference worker's engine may take to bind its CPUs (start-up,
+# compiling cold included) before its own process is left where it started.
+ENGINE_BIND_TIMEOUT_S = 900.0
+
+
 class LocalPipeline:
     def __init__(self, settings: Settings, *, kinds: tuple[str, ...] = WORKER_KINDS, api: bool = True,
                  flower: bool = False, echo: bool = False, console: Console | None = None,
@@ -247,16 +252,19 @@ class LocalPipeline:
         return {c for c, _ in inference_children(self.s)} if Stage.INFERENCE in self.kinds else set()
 
     def _place(self) -> None:
-        """Every child but the inference workers onto the CPUs that their engines leave free
-        (llmpipe/local/placement.py): nothing moves where the engines bind no CPU (a GPU)."""
+        """Every child onto the CPUs that the engines leave free, the engines' own processes
+        excepted (llmpipe/local/placement.py): nothing moves where the engines bind no CPU (a GPU)."""
         if self.placement is None:
             return
         engines = self._engine_children()
-        cpus = self.placement.learn(c.proc.pid for c in self.sup.children if c.name in engines and c.running)
+        workers = [c.proc.pid for c in self.sup.children if c.name in engines and c.running]
+        cpus = self.placement.learn(workers)
         if cpus is None:
             return
         others = [c for c in self.sup.children if c.name not in engines and c.running]
         self.placement.apply(c.proc.pid for c in others)
+        for pid in workers:
+            self.placement.apply_front_end(pid)
         log.info("%s run on CPUs %s, off the CPUs vLLM computes on", ", ".join(c.name for c in others),
                  ",".join(map(str, sorted(cpus))))
 
@@ -266,9 +274,15 @@ class LocalPipeline:
             self.placement.apply([pid])
 
     def _place_child(self, child: Child) -> None:
-        # A child restarted after the engines came up goes where the others are at once.
+        # A child restarted after the engines came up goes where the others are at once; a
+        # restarted inference worker once its new engine has bound its CPUs.
         if child.name not in self._engine_children():
             self.place(child.proc.pid)
+        elif self.placement is not None and self.placement.cpus is not None:
+            pid = child.proc.pid
+            threading.Thread(target=self.placement.follow_front_end, name=f"place-{child.name}", daemon=True,
+                             args=(pid, lambda: child.running and child.proc.pid == pid),
+                             kwargs={"timeout_s": ENGINE_BIND_TIMEOUT_S}).start()
 
     def _api_answers(self) -> bool:
         """The API serves and reaches Redis: /healthz answers 200, or 503 for a stage with

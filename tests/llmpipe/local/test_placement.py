@@ -80,6 +80,9 @@ def test_a_real_engine_binding_is_found_and_a_real_tree_moved_off_it():
             for tid in os.listdir(f"/proc/{pid}/task"):
                 assert affinity(int(tid)) == HOST - {first}, (pid, tid)
         assert affinity(engine.pid) == HOST  # the engine's own tree is not touched
+        assert placement.apply_front_end(engine.pid)  # the inference worker's own process: moved
+        assert {affinity(int(t)) for t in os.listdir(f"/proc/{engine.pid}/task")} == {HOST - {first}}
+        assert [affinity(pid) for pid in descendants(engine.pid)] == [{first}]  # its engine stays bound
     finally:
         for p in (engine, other):
             for pid in descendants(p.pid):
@@ -116,3 +119,51 @@ def test_a_local_pipeline_places_only_where_affinity_is_supported_and_asked_for(
     lp = LocalPipeline(Settings(state_dir=tmp_path), api=False)
     assert lp.placement is None
     lp.place(os.getpid())  # a no-op
+
+
+@two_cpus
+def test_a_front_end_moves_only_once_its_engine_has_bound_its_cpus():
+    """vLLM's binding reads the CPUs its process may use when the engine starts: an inference
+    worker moved before that would hand its engine the free CPUs instead of its own."""
+    first = min(HOST)
+    worker = _tree("""
+        import subprocess, time
+        subprocess.Popen(["sleep", "60"])  # an engine that has not bound its CPUs yet
+        time.sleep(60)
+    """)
+    try:
+        wait_until(lambda: descendants(worker.pid), 10, "the worker's engine")
+        placement = Placement(HOST)
+        placement.cpus = HOST - {first}
+        assert not placement.apply_front_end(worker.pid)
+        assert affinity(worker.pid) == HOST
+        [engine] = descendants(worker.pid)
+        os.sched_setaffinity(engine, {first})  # vLLM binds its forward passes
+        assert placement.apply_front_end(worker.pid)
+        assert affinity(worker.pid) == HOST - {first} and affinity(engine) == {first}
+    finally:
+        for pid in descendants(worker.pid):
+            os.kill(pid, 9)
+        worker.kill()
+        worker.wait()
+
+
+def test_following_a_restarted_front_end_polls_until_its_engine_binds_or_time_is_up():
+    placement = Placement(frozenset({0, 1}))
+    placement.cpus = frozenset({1})
+    now = [0.0]
+    binds_after = [2]  # polls before the engine has bound its CPUs
+
+    def apply_front_end(pid: int, **_) -> bool:
+        binds_after[0] -= 1
+        return binds_after[0] < 0
+
+    placement.apply_front_end = apply_front_end  # the probe; the loop is what is tested here
+    sleep = lambda s: now.__setitem__(0, now[0] + s)  # noqa: E731
+    assert placement.follow_front_end(1, lambda: True, timeout_s=10, clock=lambda: now[0], sleep=sleep)
+    assert now[0] == 1.0  # two polls of 0.5 s, then it moved
+    binds_after[0] = 100
+    now[0] = 0.0
+    assert not placement.follow_front_end(1, lambda: True, timeout_s=10, clock=lambda: now[0], sleep=sleep)
+    assert now[0] == 10.0
+    assert not placement.follow_front_end(1, lambda: False, timeout_s=10, clock=lambda: now[0], sleep=sleep)

@@ -140,14 +140,17 @@ def test_up_restarts_what_is_killed(tmp_path, ups, tiny_model):
 def _off_the_engine_cpus(up) -> None:
     """llmpipe/local/placement.py: vLLM binds its forward passes to CPUs of its own, and every
     other process of the stack (the API, the CPU stages and their pools, the embedded Redis),
-    each of its threads, runs on the rest. The inference worker's own process is left alone."""
+    each of its threads, runs on the rest; the inference worker's own process too, its engine's
+    processes left where vLLM bound them."""
     host = affinity(0)
     if len(host) < 2:
         return  # one CPU: nothing to keep apart
     inference = one_process(up, "celery", "-Q inference")
     bound = engine_cpus([inference], host)
     assert bound and bound < host, bound
-    assert affinity(inference) == host  # the inference worker's own process stays unbound
+    mine = {affinity(int(t)) for t in os.listdir(f"/proc/{inference}/task")}
+    assert mine == {host - bound}, mine  # the inference worker's own threads
+    assert engine_cpus([inference], host) == bound  # its engine's, where vLLM put them
     others = {p for p in up.collect() - {up.proc.pid, inference} - descendants(inference) if alive(p)}
     assert {"redis-server", "-Q preprocess", "-Q postprocess", " api "} <= {w for p in others for w in (
         "redis-server", "-Q preprocess", "-Q postprocess", " api ") if w in cmdline(p)}
