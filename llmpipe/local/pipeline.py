@@ -265,8 +265,8 @@ class LocalPipeline:
         self.placement.apply(c.proc.pid for c in others)
         for pid in workers:
             self.placement.apply_front_end(pid)
-        log.info("%s run on CPUs %s, off the CPUs vLLM computes on", ", ".join(c.name for c in others),
-                 ",".join(map(str, sorted(cpus))))
+        log.info("%s and the inference workers' own processes run on CPUs %s, off the CPUs vLLM computes on",
+                 ", ".join(c.name for c in others), ",".join(map(str, sorted(cpus))))
 
     def place(self, pid: int) -> None:
         """Another process of this host's pipeline (the embedded Redis) where the children are."""
