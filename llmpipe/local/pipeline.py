@@ -126,6 +126,8 @@ def worker_gpus(s: Settings) -> dict[str, str]:
         raise PipelineError(str(exc)) from None
 
 
+FLOWER = "flower"  # the child that only watches (llmpipe/local/placement.py: apply_watcher)
+
 # How long a restarted inference worker's engine may take to bind its CPUs (start-up,
 # compiling cold included) before its own process is left where it started.
 ENGINE_BIND_TIMEOUT_S = 900.0
@@ -182,7 +184,7 @@ class LocalPipeline:
             self.sup.spawn("api", [sys.executable, "-m", "llmpipe.cli", "api", "--host", "127.0.0.1",
                                    "--port", str(self.s.api_port)], self.env, self._policy())
         if self.flower:
-            self.sup.spawn("flower", flower_argv(self.s), {**self.env, "FLOWER_UNAUTHENTICATED_API": "true"},
+            self.sup.spawn(FLOWER, flower_argv(self.s), {**self.env, "FLOWER_UNAUTHENTICATED_API": "true"},
                            self._policy())
         return self
 
@@ -253,7 +255,8 @@ class LocalPipeline:
 
     def _place(self) -> None:
         """Every child onto the CPUs that the engines leave free, the engines' own processes
-        excepted (llmpipe/local/placement.py): nothing moves where the engines bind no CPU (a GPU)."""
+        excepted, and Flower onto the engines' CPUs below them (llmpipe/local/placement.py):
+        nothing moves where the engines bind no CPU (a GPU)."""
         if self.placement is None:
             return
         engines = self._engine_children()
@@ -262,23 +265,32 @@ class LocalPipeline:
         if cpus is None:
             return
         others = [c for c in self.sup.children if c.name not in engines and c.running]
-        self.placement.apply(c.proc.pid for c in others)
+        for c in others:
+            self._place_other(c)
         for pid in workers:
             self.placement.apply_front_end(pid)
         log.info("%s and the inference workers' own processes run on CPUs %s, off the CPUs vLLM computes on",
-                 ", ".join(c.name for c in others), ",".join(map(str, sorted(cpus))))
+                 ", ".join(c.name for c in others if c.name != FLOWER), ",".join(map(str, sorted(cpus))))
 
     def place(self, pid: int) -> None:
         """Another process of this host's pipeline (the embedded Redis) where the children are."""
         if self.placement is not None:
             self.placement.apply([pid])
 
+    def _place_other(self, child: Child) -> None:
+        if child.name == FLOWER:
+            self.placement.apply_watcher(child.proc.pid)
+        else:
+            self.placement.apply([child.proc.pid])
+
     def _place_child(self, child: Child) -> None:
-        # A child restarted after the engines came up goes where the others are at once; a
+        # A child restarted after the engines came up goes where its kind went at once; a
         # restarted inference worker once its new engine has bound its CPUs.
+        if self.placement is None:
+            return
         if child.name not in self._engine_children():
-            self.place(child.proc.pid)
-        elif self.placement is not None and self.placement.cpus is not None:
+            self._place_other(child)
+        elif self.placement.cpus is not None:
             pid = child.proc.pid
             threading.Thread(target=self.placement.follow_front_end, name=f"place-{child.name}", daemon=True,
                              args=(pid, lambda: child.running and child.proc.pid == pid),

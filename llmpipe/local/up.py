@@ -29,6 +29,7 @@ from llmpipe.broker.redis_clients import safe_url
 from llmpipe.engines.platform import check_engine_args
 from llmpipe.engines.vllm_args import EngineArgError
 from llmpipe.local.pipeline import LocalPipeline, PipelineError, inference_children, worker_gpus
+from llmpipe.local.placement import WATCHER_NICE
 from llmpipe.local.redis_server import EmbeddedRedis, port_in_use, redis_answers
 from llmpipe.models.registry import resolve_model
 from llmpipe.settings import Settings
@@ -282,5 +283,6 @@ def _cpus_line(pipeline: LocalPipeline) -> list[str]:
     if p is None or p.cpus is None:
         return []
     cpus = ",".join(map(str, sorted(p.cpus)))
-    engine = ",".join(map(str, sorted(p.host - p.cpus)))
-    return [f"  CPUs     vLLM computes on {engine}; llmpipe's other processes run on {cpus}"]
+    engine = ",".join(map(str, sorted(p.engine)))
+    flower = f" (Flower on {engine}, at nice {WATCHER_NICE})" if pipeline.flower else ""
+    return [f"  CPUs     vLLM computes on {engine}; llmpipe's other processes run on {cpus}{flower}"]

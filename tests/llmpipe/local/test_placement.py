@@ -8,12 +8,14 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from llmpipe.local import pipeline as local_pipeline
 from llmpipe.local.pipeline import LocalPipeline
-from llmpipe.local.placement import Placement, affinity, engine_cpus, free_cpus, pin, supported
+from llmpipe.local.pipeline import FLOWER
+from llmpipe.local.placement import WATCHER_NICE, Placement, affinity, engine_cpus, free_cpus, pin, supported
 from llmpipe.local.supervisor import Supervisor, descendants
 from llmpipe.settings import Settings
 from tests.harness.waiting import wait_until
@@ -104,6 +106,45 @@ def test_a_child_is_placed_as_it_starts_so_its_own_children_inherit(tmp_path: Pa
         assert all(affinity(pid) == {max(HOST)} for pid in descendants(child.proc.pid))
     finally:
         sup.stop(timeout=5)
+
+
+def _threads_of(pid: int) -> set[tuple[frozenset[int], int]]:
+    """Each thread's CPUs and niceness."""
+    return {(affinity(int(t)), os.getpriority(os.PRIO_PROCESS, int(t))) for t in os.listdir(f"/proc/{pid}/task")}
+
+
+@two_cpus
+def test_a_watcher_goes_onto_the_engine_cpus_below_them_and_a_pipeline_puts_flower_there(tmp_path: Path):
+    """Flower watches, and no request waits for it: it leaves the free CPUs to the stages."""
+    first = min(HOST)
+    flower = _tree("""
+        import subprocess, threading, time
+        subprocess.Popen(["sleep", "60"])
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+        time.sleep(60)
+    """)
+    stage = _tree("import time; time.sleep(60)")
+    try:
+        wait_until(lambda: descendants(flower.pid), 10, "the watcher's child")
+        wait_until(lambda: len(os.listdir(f"/proc/{flower.pid}/task")) == 2, 10, "the watcher's thread")
+        placement = Placement(HOST)
+        placement.apply_watcher(flower.pid)  # nothing learned yet: nothing moves
+        assert _threads_of(flower.pid) == {(HOST, 0)}
+        placement.cpus = HOST - {first}
+        assert placement.engine == {first}
+        lp = LocalPipeline(Settings(state_dir=tmp_path), kinds=(), api=False)
+        lp.placement = placement
+        lp._place_child(SimpleNamespace(name=FLOWER, proc=flower))  # Flower (re)started
+        lp._place_child(SimpleNamespace(name="api", proc=stage))  # any other child
+        for pid in (flower.pid, *descendants(flower.pid)):
+            assert _threads_of(pid) == {(frozenset({first}), WATCHER_NICE)}, pid
+        assert _threads_of(stage.pid) == {(HOST - {first}, 0)}
+    finally:
+        for p in (flower, stage):
+            for pid in descendants(p.pid):
+                os.kill(pid, 9)
+            p.kill()
+            p.wait()
 
 
 def test_pin_counts_the_threads_it_bound():

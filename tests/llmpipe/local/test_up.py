@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from llmpipe.local.placement import affinity, engine_cpus
+from llmpipe.local.placement import WATCHER_NICE, affinity, engine_cpus
 from llmpipe.local.redis_server import redis_answers
 from llmpipe.local.supervisor import alive, descendants
 from tests.harness.clients import job_result, submit_job
@@ -80,12 +80,13 @@ def test_up_serves_then_stops_clean(tmp_path, ups, tiny_model):
 @pytest.mark.slow
 def test_up_restarts_what_is_killed(tmp_path, ups, tiny_model):
     """`kill -9` of the inference worker (vLLM, its engine core in a process of its own as
-    vLLM runs by default) and then of the API: each comes back by itself after 1 s, said on
-    the console; no engine core is left behind; jobs succeed; Ctrl-C still stops it warm.
+    vLLM runs by default), then of the API and of Flower: each comes back by itself after 1 s,
+    said on the console, and where it ran before; no engine core is left behind; jobs succeed;
+    Ctrl-C still stops it warm.
     The stack runs with `--engine-arg max_model_len=128`, which reaches vLLM (its own config
     line), bounds what the preprocess stage admits, and holds after the restart too."""
     up = ups(tmp_path / "state", "--model", tiny_model, "--engine", "vllm", "--engine-arg", "max_model_len=128",
-             "--redis-url", "embedded", "--cpu-workers", "1", "--no-flower", VLLM_ENABLE_V1_MULTIPROCESSING="1",
+             "--redis-url", "embedded", "--cpu-workers", "1", VLLM_ENABLE_V1_MULTIPROCESSING="1",
              LLMPIPE_MAX_BATCH_SIZE="4")
     up.wait_ready(timeout=300)
     _off_the_engine_cpus(up)
@@ -129,7 +130,12 @@ def test_up_restarts_what_is_killed(tmp_path, ups, tiny_model):
     print(f"api killed -> /healthz 200 again: {time.monotonic() - t_kill:.1f} s")
     assert one_process(up, "llmpipe.cli", " api ") != api
     assert job_result(up.url, submit_job(up.url, body))["status"] == "succeeded"
-    _off_the_engine_cpus(up)  # the restarted API too
+
+    flower = one_process(up, "celery", " flower ")
+    os.kill(flower, signal.SIGKILL)
+    wait_text(lambda: up.err, "llmpipe up: flower was killed by SIGKILL after", up)
+    assert one_process(up, "celery", " flower ") != flower  # waits for the one live Flower
+    _off_the_engine_cpus(up)  # the restarted API and Flower too
 
     assert up.interrupt() == 0, up.err[-3000:]
     assert "warm shutdown" in up.err and up.err.rstrip().endswith("stopped")
@@ -151,13 +157,18 @@ def _off_the_engine_cpus(up) -> None:
     mine = {affinity(int(t)) for t in os.listdir(f"/proc/{inference}/task")}
     assert mine == {host - bound}, mine  # the inference worker's own threads
     assert engine_cpus([inference], host) == bound  # its engine's, where vLLM put them
-    others = {p for p in up.collect() - {up.proc.pid, inference} - descendants(inference) if alive(p)}
+    flower = one_process(up, "celery", " flower ")
+    others = {p for p in up.collect() - {up.proc.pid, inference, flower} - descendants(inference) if alive(p)}
     assert {"redis-server", "-Q preprocess", "-Q postprocess", " api "} <= {w for p in others for w in (
         "redis-server", "-Q preprocess", "-Q postprocess", " api ") if w in cmdline(p)}
     where = {p: {affinity(int(t)) for t in os.listdir(f"/proc/{p}/task")} for p in others}
     assert all(cpus == {host - bound} for cpus in where.values()), where
+    # Flower only watches: on the engine's CPUs, below the forward passes.
+    watcher = {(affinity(int(t)), os.getpriority(os.PRIO_PROCESS, int(t))) for t in os.listdir(f"/proc/{flower}/task")}
+    assert watcher == {(bound, WATCHER_NICE)}, watcher
     listed = [",".join(map(str, sorted(c))) for c in (bound, host - bound)]
-    assert f"CPUs     vLLM computes on {listed[0]}; llmpipe's other processes run on {listed[1]}" in up.out
+    assert (f"CPUs     vLLM computes on {listed[0]}; llmpipe's other processes run on {listed[1]} "
+            f"(Flower on {listed[0]}, at nice {WATCHER_NICE})") in up.out
 
 
 def _inference_log(up) -> str:
