@@ -58,6 +58,14 @@ def _tree(code: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.DEVNULL)
 
 
+def _kill_trees(*trees: subprocess.Popen) -> None:
+    for p in trees:
+        for pid in descendants(p.pid):
+            os.kill(pid, 9)
+        p.kill()
+        p.wait()
+
+
 @two_cpus
 def test_a_real_engine_binding_is_found_and_a_real_tree_moved_off_it():
     first = min(HOST)
@@ -86,11 +94,7 @@ def test_a_real_engine_binding_is_found_and_a_real_tree_moved_off_it():
         assert {affinity(int(t)) for t in os.listdir(f"/proc/{engine.pid}/task")} == {HOST - {first}}
         assert [affinity(pid) for pid in descendants(engine.pid)] == [{first}]  # its engine stays bound
     finally:
-        for p in (engine, other):
-            for pid in descendants(p.pid):
-                os.kill(pid, 9)
-            p.kill()
-            p.wait()
+        _kill_trees(engine, other)
 
 
 @two_cpus
@@ -140,11 +144,7 @@ def test_a_watcher_goes_onto_the_engine_cpus_below_them_and_a_pipeline_puts_flow
             assert _threads_of(pid) == {(frozenset({first}), WATCHER_NICE)}, pid
         assert _threads_of(stage.pid) == {(HOST - {first}, 0)}
     finally:
-        for p in (flower, stage):
-            for pid in descendants(p.pid):
-                os.kill(pid, 9)
-            p.kill()
-            p.wait()
+        _kill_trees(flower, stage)
 
 
 def test_pin_counts_the_threads_it_bound():
@@ -183,10 +183,7 @@ def test_a_front_end_moves_only_once_its_engine_has_bound_its_cpus():
         assert placement.apply_front_end(worker.pid)
         assert affinity(worker.pid) == HOST - {first} and affinity(engine) == {first}
     finally:
-        for pid in descendants(worker.pid):
-            os.kill(pid, 9)
-        worker.kill()
-        worker.wait()
+        _kill_trees(worker)
 
 
 def test_following_a_restarted_front_end_polls_until_its_engine_binds_or_time_is_up():
