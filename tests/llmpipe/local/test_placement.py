@@ -13,8 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from llmpipe.local import pipeline as local_pipeline
-from llmpipe.local.pipeline import LocalPipeline
-from llmpipe.local.pipeline import FLOWER
+from llmpipe.local.pipeline import FLOWER, LocalPipeline
 from llmpipe.local.placement import WATCHER_NICE, Placement, affinity, engine_cpus, free_cpus, pin, supported
 from llmpipe.local.supervisor import Supervisor, descendants
 from llmpipe.settings import Settings
