@@ -28,6 +28,7 @@ from api.openapi import MethodsAllowed, document_errors
 from api.ops.metrics import build_registries
 from api.ops.router import router as ops_router
 from api.security import BodyLimit
+from api.token_streams import TokenStreams
 from api.validation import Limits, bind, prepared_model_path
 from api.vllm.router import router as vllm_router
 from api.waiter import JobWaiter
@@ -100,7 +101,9 @@ def _add_state(app: FastAPI, settings: Settings) -> None:
     st.settings, st.served, st.api_keys, st.celery = settings, settings.served, settings.api_key_set, celery
     r = st.redis = from_settings(settings, socket_timeout=5, socket_connect_timeout=2, health_check_interval=30,
                                  retry=fail_fast_retry())
-    st.aredis = afrom_settings(settings, socket_connect_timeout=2)  # SSE streams read the job's tokens with it
+    # SSE streams get their job's tokens from one reader (api/token_streams.py).
+    st.streams = TokenStreams(settings.redis_url, afrom_settings(settings, socket_connect_timeout=2),
+                              master_name=settings.redis_sentinel_master)
     # RabbitMQ: a sample serves 50 ms. Admission counts every job published since the
     # sample as queued, so an older one would refuse a burst that the workers drain as it comes.
     depths = st.depths = depth_reader(settings.effective_broker_url, r, max_age_s=0.05)
@@ -151,6 +154,6 @@ async def _lifespan(app: FastAPI):
         await runner.close()
     st.batch_pool.shutdown(wait=False, cancel_futures=True)
     await st.waiter.close()
-    await st.aredis.aclose()
+    await st.streams.close()
     st.depths.close()
     st.redis.close()

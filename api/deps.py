@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Annotated
 
 import redis
-import redis.asyncio as aioredis
 from celery import Celery
 from fastapi import Depends, Request
 from prometheus_client import CollectorRegistry
@@ -54,11 +53,6 @@ async def get_redis(request: Request) -> redis.Redis:
     return request.app.state.redis
 
 
-async def get_aredis(request: Request) -> aioredis.Redis:
-    """The asyncio client that SSE streams read the job's token stream with."""
-    return request.app.state.aredis
-
-
 async def get_celery(request: Request) -> Celery:
     return request.app.state.celery
 
@@ -75,7 +69,7 @@ async def get_registries(request: Request) -> list[CollectorRegistry]:
 async def get_openai(request: Request) -> OpenAIServing:
     """The OpenAI endpoints' service, on this app's collaborators (it holds no state of its own)."""
     st = request.app.state
-    return OpenAIServing(st.jobs, st.waiter, st.settings, st.detok, st.aredis)
+    return OpenAIServing(st.jobs, st.waiter, st.settings, st.detok, st.streams)
 
 
 async def get_batches(request: Request) -> BatchAPI:
@@ -90,7 +84,6 @@ Jobs = Annotated[JobService, Depends(get_jobs)]
 Waiter = Annotated[JobWaiter, Depends(get_waiter)]
 Detoks = Annotated[Detokenizers, Depends(get_detokenizers)]
 Redis = Annotated[redis.Redis, Depends(get_redis)]
-AsyncRedis = Annotated[aioredis.Redis, Depends(get_aredis)]
 CeleryApp = Annotated[Celery, Depends(get_celery)]
 DeadLetterLog = Annotated[DeadLetters, Depends(get_deadletters)]
 Registries = Annotated[list[CollectorRegistry], Depends(get_registries)]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
 from fastapi import Request
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
@@ -33,6 +32,7 @@ from api.openai.protocol import (
     UsageOut,
 )
 from api.openai.sse import JobStream, stream_job
+from api.token_streams import TokenStreams
 from api.request_keys import REPLAYED_HEADER, key_of
 from api.waiter import JobWaiter
 from llmpipe.errors import BadRequestError, ExpiredError, LlmpipeError
@@ -205,12 +205,12 @@ class OpenAIServing:
     """Runs OpenAI requests as jobs, with the app's collaborators (api/deps.py)."""
 
     def __init__(self, jobs: JobService, waiter: JobWaiter, settings: Settings, detok: Detokenizers,
-                 aredis: aioredis.Redis):
+                 streams: TokenStreams):
         self.jobs = jobs
         self.waiter = waiter
         self.settings = settings
         self.detok = detok
-        self.aredis = aredis
+        self.streams = streams
 
     async def completions(self, req: CompletionRequest, request: Request, key_header: str | None) -> BaseModel | Response:
         return await self._run(request, key_header, prepare_completion(req, self.jobs, self.settings, self.detok))
@@ -243,7 +243,7 @@ class OpenAIServing:
 
         gen = stream_job(
             job_id=job_id, n_choices=n_choices, stops=req.stops(), service=self.jobs, waiter=self.waiter,
-            aredis=self.aredis, detok=self.detok.get(req.model), chunk=lambda i, t, f: shape.chunk(job_id, i, t, f),
+            streams=self.streams, detok=self.detok.get(req.model), chunk=lambda i, t, f: shape.chunk(job_id, i, t, f),
             first=shape.first(job_id), usage_chunk=usage_chunk if include_usage else None, deadline=sub.deadline,
             continuous_usage=include_usage and bool(opts and opts.continuous_usage_stats), stop_ids=req.stop_token_ids,
             opts=req.detokenizing(), ignore_eos=req.ignore_eos,

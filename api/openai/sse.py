@@ -19,7 +19,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 
 import anyio
-import redis.asyncio as aioredis
 from starlette.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -28,8 +27,9 @@ from api.detok import Detokenizer
 from api.errors import error_event
 from api.jobs.protocol import JobView
 from api.jobs.service import JobService
+from api.token_streams import TokenStreams
 from api.waiter import JobWaiter
-from llmpipe.jobs.streaming import PromptInfo, apply_entries, is_end, stream_key
+from llmpipe.jobs.streaming import PromptInfo, apply_entries, is_end
 from llmpipe.messages import Detokenizing, ErrorReason, JobStatus, Parsed, PromptResult
 from llmpipe.processors.detokenize import IncrementalDetokenizer
 
@@ -204,7 +204,7 @@ class _Choices:
 
 async def stream_job(
     *, job_id: str, n_choices: int, stops: list[str], service: JobService, waiter: JobWaiter,
-    aredis: aioredis.Redis, detok: Detokenizer, chunk: ChunkFn, first: list[dict], usage_chunk: Callable[[JobView], dict] | None,
+    streams: TokenStreams, detok: Detokenizer, chunk: ChunkFn, first: list[dict], usage_chunk: Callable[[JobView], dict] | None,
     deadline: float, continuous_usage: bool = False, stop_ids: Iterable[int] = (), opts: Detokenizing | None = None,
     ignore_eos: bool = False, finish: FinishFn | None = None,
 ) -> AsyncIterator[bytes]:
@@ -214,35 +214,30 @@ async def stream_job(
     # The first call reads files: off the event loop, while the stream is already read.
     loading = asyncio.ensure_future(run_in_threadpool(lambda: (detok.tokenizer(), [] if ignore_eos else detok.eos_ids())))
     text = _Choices(loading, n_choices, stops, frozenset(stop_ids), chunk, continuous_usage, opts or Detokenizing(), finish)
-    last = "0-0"
     for obj in first:
         yield sse(obj)
     # The job's terminal move appends an end marker to its stream (llmpipe/jobs/store.py), after
-    # every token published before the end: one blocking read wakes at each new entry and
-    # at the end, with nothing to poll. The record is read when the marker came and, as a
-    # safety net, when the stream stayed silent for FALLBACK_S or the waiter woke (its
-    # reconnects; a record that ended without a marker).
-    async with waiter.watch(job_id) as woken:
+    # every token published before the end: the process's one stream reader (api/token_streams.py)
+    # hands this response each new entry and the end, with nothing to poll. The record is read
+    # when the marker came and, as a safety net, when the stream stayed silent for FALLBACK_S
+    # or the waiter woke (its reconnects; a record that ended without a marker).
+    async with waiter.watch(job_id) as woken, streams.follow(job_id) as tokens:
         view: JobView | None = None
-        ended = False
         while True:
-            wait_ms = max(1, int(min(FALLBACK_S, deadline + 5 - time.time()) * 1000))
-            resp = await aredis.xread({stream_key(job_id): last}, count=256, block=None if ended else wait_ms)
-            marked = False
-            for _, entries in resp or []:
-                last = entries[-1][0]
-                marked = marked or any(is_end(f) for _, f in entries)
-                for part in await text.push(entries):
-                    yield part
-            if ended and not resp:
-                break  # every token published before the end has been sent
-            if marked or not resp or woken.is_set():
+            wait_s = max(0.001, min(FALLBACK_S, deadline + 5 - time.time()))
+            entries = await tokens.next(wait_s)
+            marked = any(is_end(f) for _, f in entries)
+            for part in await text.push(entries):
+                yield part
+            if marked or not entries or woken.is_set():
                 woken.clear()
                 view = await run_in_threadpool(service.view, job_id, False)
-                if view.status.terminal and marked:
+                if view.status.terminal:
+                    if not marked:  # ended without a marker: what the stream holds is all there is
+                        for part in await text.push(await streams.rest(tokens)):
+                            yield part
                     break  # the marker follows every token published before the end
-                ended = view.status.terminal  # (no marker: one more read drains the stream)
-            if not ended and time.time() > deadline + 5:
+            if time.time() > deadline + 5:
                 break  # nothing ended the job; it is settled expired below
     for part in await text.finish(await _settled(service, job_id, view), usage_chunk):
         yield part

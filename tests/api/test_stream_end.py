@@ -41,15 +41,20 @@ def test_terminal_moves_of_a_streaming_job_mark_the_end_of_its_stream(redis_clie
     assert [f for _, f in redis_client.xrange(stream_key("s2"))] == [{b"e": b"cancelled"}]
 
 
-class _Redis:
-    """The reader's XREADs: tokens, then the end marker; records how long each would block."""
+class _Streams:
+    """The process's stream reader, as the response sees it: tokens, then the end marker;
+    records how long each wait could last."""
 
     def __init__(self, replies):
         self.replies = list(replies)
-        self.blocks: list[int | None] = []
+        self.waits: list[float] = []
 
-    async def xread(self, streams, count=None, block=None):
-        self.blocks.append(block)
+    @contextlib.asynccontextmanager
+    async def follow(self, job_id):
+        yield self
+
+    async def next(self, timeout):
+        self.waits.append(timeout)
         return self.replies.pop(0) if self.replies else []
 
 
@@ -72,17 +77,15 @@ class _Waiter:
 def test_the_reader_blocks_on_the_stream_and_ends_at_the_marker(tiny_model):
     tok = Detokenizer(tiny_model)
     ids = tok.tokenizer().encode("Hello world", add_special_tokens=False).ids
-    key = stream_key("j").encode()
-    replies = [[(key, [(b"1-0", {b"i": b"0", b"o": b"0", b"d": json.dumps(ids).encode()})])],
-               [(key, [(b"2-0", {b"e": b"succeeded"})])]]
-    r = _Redis(replies)
+    replies = [[(b"1-0", {b"i": b"0", b"o": b"0", b"d": json.dumps(ids).encode()})], [(b"2-0", {b"e": b"succeeded"})]]
+    r = _Streams(replies)
     done = JobView(id="j", status=JobStatus.SUCCEEDED, created_at=0.0, deadline=time.time() + 60, prompts=1,
                    result=_result("j", tok.decode(ids)))
     service = _Service(done)
 
     async def run():
         out = []
-        async for part in stream_job(job_id="j", n_choices=1, stops=[], service=service, waiter=_Waiter(), aredis=r,
+        async for part in stream_job(job_id="j", n_choices=1, stops=[], service=service, waiter=_Waiter(), streams=r,
                                      detok=tok, chunk=lambda i, t, f: {"text": t, "finish": f}, first=[],
                                      usage_chunk=None, deadline=time.time() + 60):
             out.append(part.decode())
@@ -91,9 +94,9 @@ def test_the_reader_blocks_on_the_stream_and_ends_at_the_marker(tiny_model):
     out = asyncio.run(run())
     texts = [json.loads(p[6:])["text"] for p in out if p.startswith("data: {")]
     assert "".join(texts) == tok.decode(ids) and out[-1] == "data: [DONE]\n\n"
-    # Two reads, each blocking until something arrives (never a short poll), and the record
-    # read once, when the marker came.
-    assert len(r.blocks) == 2 and all(b >= FALLBACK_S * 1000 - 100 for b in r.blocks)
+    # Two waits, each until something arrives (never a short poll), and the record read
+    # once, when the marker came.
+    assert len(r.waits) == 2 and all(w >= FALLBACK_S - 0.1 for w in r.waits)
     assert service.views == 1
 
 
