@@ -32,8 +32,8 @@ from api.openai.protocol import (
     UsageOut,
 )
 from api.openai.sse import JobStream, stream_job
-from api.token_streams import TokenStreams
 from api.request_keys import REPLAYED_HEADER, key_of
+from api.token_streams import TokenStreams
 from api.waiter import JobWaiter
 from llmpipe.errors import BadRequestError, ExpiredError, LlmpipeError
 from llmpipe.messages import ErrorReason, JobStatus, SamplingParams
