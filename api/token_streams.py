@@ -1,14 +1,16 @@
 """One reader of every job token stream that this API process streams to its clients.
 
-A streamed response follows its job's token stream (llmpipe/jobs/streaming.py). Were each
-response to block on an XREAD of its own, every open stream would hold a Redis connection,
-and every engine step would cost one command per stream: at 32 streams, 32 round trips for
-the 32 entries that the inference worker wrote in one pipeline. Here one task blocks on one
-XREAD over every followed stream, on one connection, so a step's entries come back in one
-or two replies, and the API does a fraction of the work per token.
+A streamed response follows its job's token stream (llmpipe/jobs/streaming.py). With an
+XREAD of its own, every open stream held a connection of the API's asyncio pool, which
+redis-py caps at 100: the 101st concurrent stream's read failed ("Too many connections")
+and its client got a cut stream. Here one task blocks on one XREAD over every followed
+stream, on one connection, so a step's entries, which the inference worker writes in one
+pipeline, come back in one or two replies (on the simulated engine at 64 streams, half the
+XREADs; the API's CPU per request stayed within the spread).
 
 A stream followed while that XREAD is out joins the next one: :meth:`TokenStreams.follow`
-appends to this process's wake stream, which the XREAD also reads, so it returns at once.
+asks a waker task to append to this process's wake stream, which the XREAD also reads, so
+it returns at once.
 Each follower keeps its own position, and the streams stay in Redis (``STREAM_TTL_S``), so a
 lost connection costs nothing but time: the reader reconnects with backoff and every
 follower resumes where it was. Followers are woken meanwhile, with nothing, so that their
