@@ -200,8 +200,10 @@ class TokenStreams:
                 f.wake()
 
     async def close(self) -> None:
-        if self._waker is not None:
-            self._waker.cancel()
+        waker, self._waker = self._waker, None
+        if waker is not None:
+            waker.cancel()  # it waits on an event or on one append: it ends at the cancel
+            await asyncio.wait({waker}, timeout=1.0)
         reader, self._reader = self._reader, None
         while reader is not None and not reader.done():
             reader.cancel()  # again until it ends (see _read)
